@@ -1,0 +1,231 @@
+"""`ModelConfig`: the ALBERT hyper-parameters, with presets and official / HF JSON readers.
+
+Field names follow the official `albert_config.json`, so a released config reads as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax.numpy as jnp
+
+SHARING_STRATEGIES = ("all", "attention", "ffn", "none")
+ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish", "tanh")
+REMAT_POLICIES = (
+    "none",  # keep every activation (fastest, most memory)
+    "full",  # keep only the layer inputs; recompute the whole layer in the backward pass
+    "dots",  # keep every matmul output
+    "dots_no_batch",  # keep matmul outputs without batch dims (i.e. weights-only products)
+    "minimal",  # keep the Q/K/V and attention-output projections (named checkpoints)
+    "save_attention_out",  # keep only the attention sub-block outputs (named checkpoints)
+)
+DTYPES = ("float32", "bfloat16", "float16")
+
+# The official configs (google-research/albert, mirrored as albert-*-v2 on the HF hub).
+# v2 models use no dropout; v1 base/large/xlarge used 0.1 (override if you need v1).
+_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        intermediate_size=512,
+        embedding_size=64,
+        max_position_embeddings=128,
+    ),
+    "base": dict(
+        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072
+    ),
+    "large": dict(
+        hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096
+    ),
+    "xlarge": dict(
+        hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, intermediate_size=8192
+    ),
+    "xxlarge": dict(
+        hidden_size=4096, num_hidden_layers=12, num_attention_heads=64, intermediate_size=16384
+    ),
+}
+PRESETS = tuple(_PRESETS)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """ALBERT hyper-parameters (official names) plus the JAX-side knobs.
+
+    Sharing semantics (official `modeling.py`): the `num_hidden_layers` layer applications are
+    split into `num_hidden_groups` consecutive groups; every layer of group g runs the same
+    `inner_group_num` blocks in order, so the effective depth is L x inner_group_num.
+    `sharing` says which sub-blocks are shared across the layers of a group: "all" (ALBERT),
+    "attention" or "ffn" (the paper's Table 4 ablations; the other sub-block gets one weight set
+    per layer) or "none" (BERT-style).
+    """
+
+    vocab_size: int = 30000
+    embedding_size: int = 128
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu_new"
+    hidden_dropout_prob: float = 0.0
+    attention_probs_dropout_prob: float = 0.0
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    initializer_range: float = 0.02
+    num_hidden_groups: int = 1
+    inner_group_num: int = 1
+    layer_norm_eps: float = 1e-12
+    sharing: str = "all"
+    # The official code creates the E->H projection only when E != H; HF always creates it.
+    # Set True to load an HF checkpoint with E == H.
+    always_project_embeddings: bool = False
+    scan_layers: bool = True
+    remat_policy: str = "none"
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ----------------------------------------------------------------------------- validation
+    def validate(self) -> None:
+        """Raises `ValueError` naming the offending field (called on construction)."""
+        positive = (
+            "vocab_size",
+            "embedding_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "type_vocab_size",
+            "num_hidden_groups",
+            "inner_group_num",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"ModelConfig.hidden_size ({self.hidden_size}) must be divisible by "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.num_hidden_layers % self.num_hidden_groups:
+            raise ValueError(
+                f"ModelConfig.num_hidden_layers ({self.num_hidden_layers}) must be divisible by "
+                f"num_hidden_groups ({self.num_hidden_groups})"
+            )
+        for name, allowed in (
+            ("sharing", SHARING_STRATEGIES),
+            ("hidden_act", ACTIVATIONS),
+            ("remat_policy", REMAT_POLICIES),
+            ("dtype", DTYPES),
+            ("param_dtype", DTYPES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"ModelConfig.{name}={getattr(self, name)!r} is not one of {allowed}"
+                )
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            p = getattr(self, name)
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"ModelConfig.{name} must be in [0, 1), got {p}")
+        if self.initializer_range <= 0:
+            raise ValueError("ModelConfig.initializer_range must be > 0")
+        if self.layer_norm_eps <= 0:
+            raise ValueError("ModelConfig.layer_norm_eps must be > 0")
+
+    # ------------------------------------------------------------------------- derived values
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def layers_per_group(self) -> int:
+        return self.num_hidden_layers // self.num_hidden_groups
+
+    @property
+    def effective_depth(self) -> int:
+        """Number of transformer-block applications in one forward pass."""
+        return self.num_hidden_layers * self.inner_group_num
+
+    @property
+    def has_embedding_projection(self) -> bool:
+        return self.always_project_embeddings or self.embedding_size != self.hidden_size
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def weight_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.param_dtype)
+
+    # ------------------------------------------------------------------------ construction
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        """`ModelConfig.preset("base", sharing="none")`: the official sizes (E=128, V=30000)."""
+        if name not in _PRESETS:
+            raise ValueError(f"unknown model size {name!r}; choose one of {PRESETS}")
+        return cls(**{**_PRESETS[name], **overrides})
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields {unknown}")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, path: str, **overrides: Any) -> ModelConfig:
+        """Reads an official `albert_config.json` or an HF `config.json`.
+
+        Official TF configs say `"gelu"` but TF's `gelu` is the tanh approximation, so it is read
+        as `gelu_new`; HF configs are taken literally (their `gelu` is the exact erf form).
+        Keys that the official code ignores (`down_scale_factor`, `net_structure_type`, ...) are
+        dropped.
+        """
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+        is_hf = "model_type" in raw or "architectures" in raw
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in raw.items() if k in names}
+        if not is_hf and kwargs.get("hidden_act") == "gelu":
+            kwargs["hidden_act"] = "gelu_new"
+        if is_hf:
+            if raw.get("position_embedding_type", "absolute") != "absolute":
+                raise ValueError(
+                    f"{path}: position_embedding_type={raw['position_embedding_type']!r} is not "
+                    "supported (ALBERT uses absolute learned positions)"
+                )
+            # HF always has the E->H projection, also when E == H.
+            kwargs.setdefault("always_project_embeddings", True)
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def to_official_json(self) -> dict[str, Any]:
+        """The fields of an official `albert_config.json`."""
+        keys = (
+            "vocab_size embedding_size hidden_size num_hidden_layers num_attention_heads "
+            "intermediate_size hidden_act hidden_dropout_prob attention_probs_dropout_prob "
+            "max_position_embeddings type_vocab_size initializer_range num_hidden_groups "
+            "inner_group_num"
+        ).split()
+        return {k: getattr(self, k) for k in keys}
+
+
+def save_json(config: ModelConfig, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config.to_dict(), f, indent=2, sort_keys=True)

@@ -1,0 +1,514 @@
+"""ALBERT in Flax linen: factorized embeddings, cross-layer sharing via `nn.scan`, MLM + SOP heads.
+
+Shapes: B batch, S sequence, E embedding size, H hidden size, N heads, D = H/N head size,
+I intermediate size, V vocabulary, P predictions per sequence, L layers per group.
+
+One pretraining forward pass, as in the paper (Sec. 3.1):
+  ids [B,S] -> FactorizedEmbedding [B,S,E] -> E->H projection [B,S,H]
+  -> SharedEncoder: the same block applied L times (nn.scan, parameters broadcast) [B,S,H]
+  -> pooler (tanh on [CLS]) [B,H] -> SentenceOrderHead [B,2]
+  -> gather masked positions [B,P,H] -> MaskedLMHead (H->E, LN, tied E->V decoder) [B,P,V]
+
+Every parameter is created through `nn.with_logical_partitioning`, with the logical axis names
+of `albert_jax.sharding` (`vocab, embed, embed_factor, mlp, heads, kv, layers`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from albert_jax.config import ModelConfig
+
+__all__ = [
+    "ModelConfig",
+    "Dense",
+    "LayerNorm",
+    "FactorizedEmbedding",
+    "SelfAttention",
+    "FeedForward",
+    "AlbertLayer",
+    "AlbertGroup",
+    "SharedEncoder",
+    "AlbertModel",
+    "MaskedLMHead",
+    "SentenceOrderHead",
+    "AlbertForPreTraining",
+    "activation",
+]
+
+Array = jax.Array
+# The official attention mask adder: masked scores get -10000 before the softmax.
+MASK_ADDER = -10000.0
+
+
+def activation(name: str) -> Callable[[Array], Array]:
+    """`hidden_act` -> function. `gelu_new` is TF's tanh form, which the official models use."""
+    return {
+        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+        "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+        "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+        "relu": jax.nn.relu,
+        "silu": jax.nn.silu,
+        "swish": jax.nn.silu,
+        "tanh": jnp.tanh,
+    }[name]
+
+
+def _kernel_init(config: ModelConfig) -> nn.initializers.Initializer:
+    # TF's truncated_normal_initializer: N(0, sigma^2) cut at 2 sigma, not re-scaled.
+    return nn.initializers.truncated_normal(stddev=config.initializer_range)
+
+
+def _stacked_param(
+    module: nn.Module,
+    name: str,
+    init: nn.initializers.Initializer,
+    shape: tuple[int, ...],
+    axes: tuple[str | None, ...],
+    stack: int | None,
+    dtype: Any,
+) -> Array:
+    """A parameter, with a leading `layers` axis of size `stack` when it is not shared."""
+    if stack is not None:
+        shape, axes = (stack, *shape), ("layers", *axes)
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+def _select_layer(w: Array, stack: int | None, layer_idx: Array | int | None) -> Array:
+    """Picks this layer's slice of a stacked (unshared) weight; shared weights pass through."""
+    if stack is None:
+        return w
+    if layer_idx is None:
+        raise ValueError("a stacked (unshared) parameter needs the layer index")
+    return w[layer_idx]
+
+
+class Dense(nn.Module):
+    """y = x . W + b, contracting the last `len(in_shape)` dims of x.
+
+    kernel: [*in_shape, *out_shape] (or [stack, *in_shape, *out_shape] when unshared);
+    `axes` names the kernel dims for sharding. bias: [*out_shape].
+    """
+
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    config: ModelConfig
+    stack: int | None = None
+    use_bias: bool = True
+
+    @nn.compact
+    def __call__(self, x: Array, layer_idx: Array | int | None = None) -> Array:
+        cfg = self.config
+        n_in = len(self.in_shape)
+        kernel = _stacked_param(
+            self,
+            "kernel",
+            _kernel_init(cfg),
+            (*self.in_shape, *self.out_shape),
+            self.axes,
+            self.stack,
+            cfg.weight_dtype,
+        )
+        kernel = _select_layer(kernel, self.stack, layer_idx).astype(cfg.compute_dtype)
+        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+        y = jax.lax.dot_general(x.astype(cfg.compute_dtype), kernel, (contract, ((), ())))
+        if self.use_bias:
+            bias = _stacked_param(
+                self,
+                "bias",
+                nn.initializers.zeros_init(),
+                self.out_shape,
+                self.axes[n_in:],
+                self.stack,
+                cfg.weight_dtype,
+            )
+            y = y + _select_layer(bias, self.stack, layer_idx).astype(cfg.compute_dtype)
+        return y
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dim with epsilon 1e-12 (TF's `contrib.layers.layer_norm`).
+
+    Statistics are computed in float32 even for bfloat16 activations.
+    """
+
+    features: int
+    axis_name: str
+    config: ModelConfig
+    stack: int | None = None
+
+    @nn.compact
+    def __call__(self, x: Array, layer_idx: Array | int | None = None) -> Array:
+        cfg = self.config
+        scale = _stacked_param(
+            self,
+            "scale",
+            nn.initializers.ones_init(),
+            (self.features,),
+            (self.axis_name,),
+            self.stack,
+            cfg.weight_dtype,
+        )
+        bias = _stacked_param(
+            self,
+            "bias",
+            nn.initializers.zeros_init(),
+            (self.features,),
+            (self.axis_name,),
+            self.stack,
+            cfg.weight_dtype,
+        )
+        scale = _select_layer(scale, self.stack, layer_idx)
+        bias = _select_layer(bias, self.stack, layer_idx)
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + cfg.layer_norm_eps)
+        y = y * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+        return y.astype(cfg.compute_dtype)
+
+
+def _embedding_param(module: nn.Module, name: str, rows: int, axes: tuple, cfg: ModelConfig):
+    init = nn.with_logical_partitioning(_kernel_init(cfg), axes)
+    return module.param(name, init, (rows, cfg.embedding_size), cfg.weight_dtype)
+
+
+class FactorizedEmbedding(nn.Module):
+    """Word + position + token-type embeddings of width E (not H), then LayerNorm and dropout.
+
+    Factorizing the V x H table into V x E and E x H (the projection lives in the encoder, as in
+    the official checkpoint) is ALBERT's first parameter reduction (paper Sec. 3.1).
+    """
+
+    config: ModelConfig
+
+    def setup(self) -> None:
+        cfg = self.config
+        self.word_embeddings = _embedding_param(
+            self, "word_embeddings", cfg.vocab_size, ("vocab", "embed_factor"), cfg
+        )
+        self.position_embeddings = _embedding_param(
+            self, "position_embeddings", cfg.max_position_embeddings, (None, "embed_factor"), cfg
+        )
+        self.token_type_embeddings = _embedding_param(
+            self, "token_type_embeddings", cfg.type_vocab_size, (None, "embed_factor"), cfg
+        )
+        self.LayerNorm = LayerNorm(cfg.embedding_size, "embed_factor", cfg)
+        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+
+    def __call__(self, input_ids: Array, segment_ids: Array, deterministic: bool) -> Array:
+        """input_ids, segment_ids [B,S] int -> embeddings [B,S,E]."""
+        cfg = self.config
+        seq_len = input_ids.shape[-1]
+        if seq_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds ModelConfig.max_position_embeddings "
+                f"({cfg.max_position_embeddings})"
+            )
+        x = jnp.take(self.word_embeddings, input_ids, axis=0)
+        x = x + jnp.take(self.token_type_embeddings, segment_ids, axis=0)
+        x = x + self.position_embeddings[None, :seq_len]
+        x = nn.with_logical_constraint(x, ("act_batch", "act_seq", "act_embed"))
+        x = self.LayerNorm(x.astype(cfg.compute_dtype))
+        return self.dropout(x, deterministic=deterministic)
+
+    def attend(self, x: Array) -> Array:
+        """Tied decoder: x [..., E] -> logits [..., V] = x . word_embeddings^T."""
+        table = self.word_embeddings.astype(self.config.compute_dtype)
+        return jnp.einsum("...e,ve->...v", x.astype(self.config.compute_dtype), table)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention + output projection + residual + post-LayerNorm.
+
+    `stack` (not None) means this sub-block is not shared: its weights carry a leading layer axis
+    and `layer_idx` picks the slice (sharing="ffn" / "none").
+    """
+
+    config: ModelConfig
+    stack: int | None = None
+
+    @nn.compact
+    def __call__(
+        self,
+        x: Array,
+        mask: Array,
+        layer_idx: Array | int | None,
+        deterministic: bool,
+    ) -> Array:
+        """x [B,S,H], mask [B,1,1,S] bool (True = attend) -> [B,S,H]."""
+        cfg = self.config
+        H, N, D = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+
+        def project(name: str) -> Array:
+            y = Dense((H,), (N, D), ("embed", "heads", "kv"), cfg, self.stack, name=name)
+            return checkpoint_name(y(x, layer_idx), f"{name}_proj")  # [B,S,N,D]
+
+        q, k, v = project("query"), project("key"), project("value")
+        dropout_on = not deterministic and cfg.attention_probs_dropout_prob > 0.0
+        if dropout_on:
+            # The fused kernel has no attention-probability dropout; spell the math out.
+            scores = jnp.einsum("bqnd,bknd->bnqk", q, k) / jnp.sqrt(D).astype(q.dtype)
+            scores = jnp.where(mask, scores, jnp.asarray(MASK_ADDER, scores.dtype))
+            probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+            probs = nn.Dropout(cfg.attention_probs_dropout_prob)(probs, deterministic=False)
+            context = jnp.einsum("bnqk,bknd->bqnd", probs, v)
+        else:
+            context = jax.nn.dot_product_attention(q, k, v, mask=mask)  # [B,S,N,D]
+        out = Dense((N, D), (H,), ("heads", "kv", "embed"), cfg, self.stack, name="output")
+        out = checkpoint_name(out(context, layer_idx), "attention_out")
+        out = nn.Dropout(cfg.hidden_dropout_prob)(out, deterministic=deterministic)
+        y = LayerNorm(H, "embed", cfg, self.stack, name="LayerNorm")(x + out, layer_idx)
+        return nn.with_logical_constraint(y, ("act_batch", "act_seq", "act_embed"))
+
+
+class FeedForward(nn.Module):
+    """H -> I (activation) -> H, residual, post-LayerNorm. `stack` as in `SelfAttention`."""
+
+    config: ModelConfig
+    stack: int | None = None
+
+    @nn.compact
+    def __call__(self, x: Array, layer_idx: Array | int | None, deterministic: bool) -> Array:
+        """x [B,S,H] -> [B,S,H]."""
+        cfg = self.config
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        h = Dense((H,), (I,), ("embed", "mlp"), cfg, self.stack, name="intermediate")(x, layer_idx)
+        h = checkpoint_name(activation(cfg.hidden_act)(h), "mlp_activation")
+        h = nn.with_logical_constraint(h, ("act_batch", "act_seq", "act_mlp"))
+        out = Dense((I,), (H,), ("mlp", "embed"), cfg, self.stack, name="output")(h, layer_idx)
+        out = nn.Dropout(cfg.hidden_dropout_prob)(out, deterministic=deterministic)
+        y = LayerNorm(H, "embed", cfg, self.stack, name="LayerNorm")(x + out, layer_idx)
+        return nn.with_logical_constraint(y, ("act_batch", "act_seq", "act_embed"))
+
+
+class AlbertLayer(nn.Module):
+    """One transformer block (official `attention_ffn_block`): attention then FFN, post-LN."""
+
+    config: ModelConfig
+    attention_stack: int | None = None
+    ffn_stack: int | None = None
+
+    @nn.compact
+    def __call__(
+        self, x: Array, mask: Array, layer_idx: Array | int | None, deterministic: bool
+    ) -> Array:
+        x = SelfAttention(self.config, self.attention_stack, name="attention")(
+            x, mask, layer_idx, deterministic
+        )
+        return FeedForward(self.config, self.ffn_stack, name="ffn")(x, layer_idx, deterministic)
+
+
+class AlbertGroup(nn.Module):
+    """What one layer application runs: the group's `inner_group_num` blocks in order.
+
+    Written as a scan body: (carry x, mask, layer_idx) -> (x, None).
+    """
+
+    config: ModelConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array, layer_idx: Array | int) -> tuple[Array, None]:
+        cfg = self.config
+        unshared = cfg.layers_per_group
+        attention_stack = None if cfg.sharing in ("all", "attention") else unshared
+        ffn_stack = None if cfg.sharing in ("all", "ffn") else unshared
+        for i in range(cfg.inner_group_num):
+            x = AlbertLayer(cfg, attention_stack, ffn_stack, name=f"inner_group_{i}")(
+                x, mask, layer_idx, self.deterministic
+            )
+        return x, None
+
+
+def remat_policy(name: str) -> Callable[..., bool] | None:
+    """`remat_policy` -> a `jax.checkpoint` policy (None: save nothing, recompute all)."""
+    policies = jax.checkpoint_policies
+    return {
+        "full": None,
+        "dots": policies.checkpoint_dots,
+        "dots_no_batch": policies.checkpoint_dots_with_no_batch_dims,
+        "minimal": policies.save_only_these_names(
+            "query_proj", "key_proj", "value_proj", "attention_out"
+        ),
+        "save_attention_out": policies.save_only_these_names("attention_out"),
+    }[name]
+
+
+class SharedEncoder(nn.Module):
+    """E->H projection, then `num_hidden_layers` applications of the (shared) group blocks.
+
+    With `scan_layers` each group is one `nn.scan` whose parameters are broadcast
+    (`variable_broadcast="params"`): one weight set serves every layer, so neither the parameter
+    count nor the compiled program grows with depth. Unshared sub-blocks (sharing != "all")
+    keep a leading layer axis that the scan's layer index selects. `scan_layers=False` unrolls the
+    same computation in Python (same parameter tree) for verification.
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: Array, input_mask: Array, deterministic: bool) -> Array:
+        """x [B,S,E], input_mask [B,S] (1 real, 0 pad) -> [B,S,H]."""
+        cfg = self.config
+        if cfg.has_embedding_projection:
+            project = Dense(
+                (cfg.embedding_size,),
+                (cfg.hidden_size,),
+                ("embed_factor", "embed"),
+                cfg,
+                name="embedding_hidden_mapping_in",
+            )
+            x = project(x)
+        x = nn.with_logical_constraint(x, ("act_batch", "act_seq", "act_embed"))
+        mask = input_mask.astype(bool)[:, None, None, :]  # [B,1,1,S]: keys that may be attended
+
+        group_cls: Any = AlbertGroup
+        if cfg.remat_policy != "none":
+            group_cls = nn.remat(
+                AlbertGroup,
+                prevent_cse=not cfg.scan_layers,  # scan already stops CSE across iterations
+                policy=remat_policy(cfg.remat_policy),
+            )
+        layers = cfg.layers_per_group
+        for g in range(cfg.num_hidden_groups):
+            if cfg.scan_layers:
+                scanned = nn.scan(
+                    group_cls,
+                    variable_broadcast="params",
+                    split_rngs={"params": False, "dropout": True},
+                    in_axes=(nn.broadcast, 0),
+                    length=layers,
+                )
+                group = scanned(cfg, deterministic, name=f"group_{g}")
+                x, _ = group(x, mask, jnp.arange(layers, dtype=jnp.int32))
+            else:
+                group = group_cls(cfg, deterministic, name=f"group_{g}")
+                for layer_idx in range(layers):
+                    x, _ = group(x, mask, layer_idx)
+        return x
+
+
+class AlbertModel(nn.Module):
+    """Embeddings + shared encoder + pooler. Returns `sequence_output` and `pooled_output`."""
+
+    config: ModelConfig
+
+    def setup(self) -> None:
+        cfg = self.config
+        self.embeddings = FactorizedEmbedding(cfg)
+        self.encoder = SharedEncoder(cfg)
+        self.pooler = Dense((cfg.hidden_size,), (cfg.hidden_size,), ("embed", "mlp"), cfg)
+
+    def __call__(
+        self,
+        input_ids: Array,
+        segment_ids: Array | None = None,
+        input_mask: Array | None = None,
+        deterministic: bool = True,
+    ) -> dict[str, Array]:
+        """input_ids [B,S] -> {"sequence_output" [B,S,H], "pooled_output" [B,H]}."""
+        if segment_ids is None:
+            segment_ids = jnp.zeros_like(input_ids)
+        if input_mask is None:
+            input_mask = jnp.ones_like(input_ids)
+        x = self.embeddings(input_ids, segment_ids, deterministic)
+        sequence_output = self.encoder(x, input_mask, deterministic)
+        pooled_output = jnp.tanh(self.pooler(sequence_output[:, 0]))
+        return {"sequence_output": sequence_output, "pooled_output": pooled_output}
+
+
+class MaskedLMHead(nn.Module):
+    """Masked-LM head on gathered positions: dense H->E, activation, LayerNorm, tied decoder.
+
+    The decoder reuses the E-wide word embeddings (so it is V x E, not V x H) plus a bias.
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: Array, embeddings: FactorizedEmbedding) -> Array:
+        """x [B,P,H] -> logits [B,P,V]."""
+        cfg = self.config
+        h = Dense(
+            (cfg.hidden_size,), (cfg.embedding_size,), ("embed", "embed_factor"), cfg, name="dense"
+        )(x)
+        h = activation(cfg.hidden_act)(h)
+        h = LayerNorm(cfg.embedding_size, "embed_factor", cfg, name="LayerNorm")(h)
+        bias = self.param(
+            "output_bias",
+            nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vocab",)),
+            (cfg.vocab_size,),
+            cfg.weight_dtype,
+        )
+        return embeddings.attend(h) + bias.astype(cfg.compute_dtype)
+
+
+class SentenceOrderHead(nn.Module):
+    """SOP (or NSP) classifier on the pooled [CLS] vector: [B,H] -> [B,2]. No dropout (official)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, pooled: Array) -> Array:
+        cfg = self.config
+        return Dense((cfg.hidden_size,), (2,), ("embed", None), cfg, name="classifier")(pooled)
+
+
+def gather_positions(sequence: Array, positions: Array) -> Array:
+    """sequence [B,S,H], positions [B,P] int -> [B,P,H]."""
+    return jnp.take_along_axis(sequence, positions[..., None].astype(jnp.int32), axis=1)
+
+
+class AlbertForPreTraining(nn.Module):
+    """ALBERT with the MLM and sentence-order heads (the pretraining model).
+
+    `apply(variables, input_ids, segment_ids, input_mask, masked_lm_positions,
+    deterministic=True)` returns {"mlm_logits" [B,P,V], "sop_logits" [B,2],
+    "sequence_output" [B,S,H], "pooled_output" [B,H]}. Without `masked_lm_positions`, MLM logits
+    are computed at every position ([B,S,V]), e.g. for fill-mask.
+    """
+
+    config: ModelConfig
+
+    def setup(self) -> None:
+        self.albert = AlbertModel(self.config)
+        self.predictions = MaskedLMHead(self.config)
+        self.sop_classifier = SentenceOrderHead(self.config)
+
+    def __call__(
+        self,
+        input_ids: Array,
+        segment_ids: Array | None = None,
+        input_mask: Array | None = None,
+        masked_lm_positions: Array | None = None,
+        deterministic: bool = True,
+    ) -> dict[str, Array]:
+        out = self.albert(input_ids, segment_ids, input_mask, deterministic)
+        seq = out["sequence_output"]
+        # Gather first: the head then runs on P (=20) positions instead of S (=512).
+        masked = seq if masked_lm_positions is None else gather_positions(seq, masked_lm_positions)
+        return {
+            **out,
+            "mlm_logits": self.predictions(masked, self.albert.embeddings),
+            "sop_logits": self.sop_classifier(out["pooled_output"]),
+        }
+
+
+def init_params(
+    model: nn.Module, rng: Array, batch_size: int = 1, seq_len: int = 8, num_predictions: int = 2
+) -> Any:
+    """Initializes `model` (AlbertModel or AlbertForPreTraining) on dummy inputs; returns the
+    variables with logical-partitioning boxes (use `nn.meta.unbox` for plain arrays)."""
+    ids = jnp.zeros((batch_size, seq_len), jnp.int32)
+    kwargs: dict[str, Any] = {}
+    if isinstance(model, AlbertForPreTraining):
+        kwargs["masked_lm_positions"] = jnp.zeros((batch_size, num_predictions), jnp.int32)
+    return model.init(rng, ids, ids, jnp.ones_like(ids), **kwargs)

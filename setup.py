@@ -1,0 +1,44 @@
+"""albert_jax: ALBERT (arXiv 1909.11942) in JAX/Flax, TPU-first."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="albert_jax",
+    version="0.1.0",
+    description="ALBERT pretraining and fine-tuning in JAX/Flax (factorized embeddings, "
+    "cross-layer sharing, SOP), TPU-first.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["albert_jax", "albert_jax.*"]),
+    include_package_data=True,
+    package_data={"albert_jax": ["data/demo/*"]},
+    install_requires=[
+        "jax>=0.10.2",
+        "flax>=0.12.8",
+        "optax>=0.2.5",
+        "orbax-checkpoint>=0.12.8",
+        "tensorflow-datasets>=4.9.9",
+        # TFDS builds datasets through tf.data / TFRecord writers; the CPU build is what TPU VMs use.
+        "tensorflow-cpu>=2.18",
+        "sentencepiece>=0.2.0",
+        "ml-collections>=1.1.0",
+        "absl-py>=2.1.0",
+        "numpy>=1.26",
+        "tensorboard>=2.18",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8.0",
+            "ruff>=0.6",
+            "scipy>=1.13",
+            "scikit-learn>=1.5",
+            "nbclient>=0.10",
+            "nbformat>=5.10",
+            "ipykernel>=6.29",
+            "matplotlib>=3.9",
+        ],
+        # HF interop: PyTorch CPU build (install torch==2.13.0 first to avoid CUDA wheels).
+        "hf": ["torch>=2.4", "transformers>=4.46", "safetensors>=0.4"],
+    },
+)

@@ -1,0 +1,32 @@
+"""Test setup: 8 virtual CPU devices, set before JAX is imported anywhere."""
+
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+# TensorFlow is only used for TFDS building and TF1 checkpoints: keep it off any GPU and quiet.
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED_DATA = os.environ.get(
+    "ALBERT_SHARED_DATA", os.path.join(os.path.dirname(REPO), "shared", "data")
+)
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> str:
+    """Path of ../shared/data (real corpora and labelled sets)."""
+    if not os.path.isdir(SHARED_DATA):
+        pytest.fail(f"shared data not found at {SHARED_DATA}; set ALBERT_SHARED_DATA")
+    return SHARED_DATA
