@@ -1,13 +1,14 @@
 """albert_jax: ALBERT (arXiv 1909.11942) in JAX/Flax, TPU-first."""
 
+import pathlib
+
 from setuptools import find_packages, setup
 
 setup(
     name="albert_jax",
     version="0.1.0",
-    description="ALBERT pretraining and fine-tuning in JAX/Flax (factorized embeddings, "
-    "cross-layer sharing, SOP), TPU-first.",
-    long_description=open("README.md", encoding="utf-8").read(),
+    description="ALBERT pretraining and fine-tuning in JAX/Flax, TPU-first.",
+    long_description=pathlib.Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["albert_jax", "albert_jax.*"]),
@@ -39,6 +40,7 @@ setup(
             "matplotlib>=3.9",
         ],
         # HF interop: PyTorch CPU build (install torch==2.13.0 first to avoid CUDA wheels).
-        "hf": ["torch>=2.4", "transformers>=4.46", "safetensors>=0.4"],
+        # transformers 4.x: v5 dropped load_tf_weights_in_albert and the Flax ALBERT peer.
+        "hf": ["torch>=2.4", "transformers>=4.46,<5", "safetensors>=0.4"],
     },
 )

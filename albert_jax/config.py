@@ -216,12 +216,22 @@ class ModelConfig:
 
     def to_official_json(self) -> dict[str, Any]:
         """The fields of an official `albert_config.json`."""
-        keys = (
-            "vocab_size embedding_size hidden_size num_hidden_layers num_attention_heads "
-            "intermediate_size hidden_act hidden_dropout_prob attention_probs_dropout_prob "
-            "max_position_embeddings type_vocab_size initializer_range num_hidden_groups "
-            "inner_group_num"
-        ).split()
+        keys = [
+            "vocab_size",
+            "embedding_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "hidden_act",
+            "hidden_dropout_prob",
+            "attention_probs_dropout_prob",
+            "max_position_embeddings",
+            "type_vocab_size",
+            "initializer_range",
+            "num_hidden_groups",
+            "inner_group_num",
+        ]
         return {k: getattr(self, k) for k in keys}
 
 
@@ -229,3 +239,14 @@ def save_json(config: ModelConfig, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(config.to_dict(), f, indent=2, sort_keys=True)
+
+
+def model_config_from(config: Any) -> ModelConfig:
+    """The `ModelConfig` of a run config (`configs/pretrain.py`): the `size` preset with the
+    fields of `config.model` applied on top. Unknown fields raise `ValueError` naming them."""
+    overrides = dict(config.model.to_dict() if hasattr(config.model, "to_dict") else config.model)
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ValueError(f"config.model has unknown fields {unknown}; known: {sorted(names)}")
+    return ModelConfig.preset(config.size, **overrides)

@@ -279,11 +279,12 @@ class FeedForward(nn.Module):
     def __call__(self, x: Array, layer_idx: Array | int | None, deterministic: bool) -> Array:
         """x [B,S,H] -> [B,S,H]."""
         cfg = self.config
-        H, I = cfg.hidden_size, cfg.intermediate_size
-        h = Dense((H,), (I,), ("embed", "mlp"), cfg, self.stack, name="intermediate")(x, layer_idx)
+        H, inner = cfg.hidden_size, cfg.intermediate_size
+        h = Dense((H,), (inner,), ("embed", "mlp"), cfg, self.stack, name="intermediate")
+        h = h(x, layer_idx)
         h = checkpoint_name(activation(cfg.hidden_act)(h), "mlp_activation")
         h = nn.with_logical_constraint(h, ("act_batch", "act_seq", "act_mlp"))
-        out = Dense((I,), (H,), ("mlp", "embed"), cfg, self.stack, name="output")(h, layer_idx)
+        out = Dense((inner,), (H,), ("mlp", "embed"), cfg, self.stack, name="output")(h, layer_idx)
         out = nn.Dropout(cfg.hidden_dropout_prob)(out, deterministic=deterministic)
         y = LayerNorm(H, "embed", cfg, self.stack, name="LayerNorm")(x + out, layer_idx)
         return nn.with_logical_constraint(y, ("act_batch", "act_seq", "act_embed"))

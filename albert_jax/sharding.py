@@ -1,0 +1,72 @@
+"""Mesh construction and the one table that maps logical axes to mesh axes.
+
+Mesh axes: `data` (replicas), `fsdp` (parameters and optimizer state sharded, batch split too),
+`tensor` (heads / mlp / vocab split). Parameter names (`vocab, embed, embed_factor, mlp, heads,
+kv, layers`) and activation names (`act_batch, act_seq, act_embed, act_mlp`) are kept apart so
+that FSDP-sharding the `embed` dim of weights never shards the feature dim of activations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis -> mesh axis (or axes, or None = replicated)
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # activations
+    ("act_batch", ("data", "fsdp")),
+    ("act_seq", None),
+    ("act_embed", None),
+    ("act_mlp", "tensor"),
+    # parameters
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("embed_factor", None),  # E = 128 is too small to be worth splitting
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv", None),
+    ("layers", None),  # stacked unshared weights: every device runs every layer
+)
+
+
+def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
+    """Fills the single -1 entry of `shape` so that the product equals `num_devices`."""
+    shape = tuple(int(s) for s in shape)
+    if shape.count(-1) > 1:
+        raise ValueError(f"mesh shape {shape}: at most one axis may be -1")
+    if any(s == 0 or s < -1 for s in shape):
+        raise ValueError(f"mesh shape {shape}: sizes must be positive or -1")
+    known = int(np.prod([s for s in shape if s != -1]))
+    if -1 in shape:
+        if num_devices % known:
+            raise ValueError(
+                f"mesh shape {shape}: {num_devices} devices are not divisible by {known}"
+            )
+        shape = tuple(num_devices // known if s == -1 else s for s in shape)
+    if int(np.prod(shape)) != num_devices:
+        raise ValueError(
+            f"mesh shape {shape} needs {int(np.prod(shape))} devices, have {num_devices}"
+        )
+    return shape
+
+
+def create_mesh(
+    shape: Sequence[int] = (-1, 1, 1), devices: Sequence[jax.Device] | None = None
+) -> Mesh:
+    """A (data, fsdp, tensor) mesh with `AxisType.Auto` axes (Linen logical constraints need
+    Auto: on Explicit axes a constraint acts as an assertion and raises)."""
+    devices = list(devices) if devices is not None else jax.devices()
+    shape = resolve_mesh_shape(shape, len(devices))
+    return jax.make_mesh(
+        shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
+    )
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of a [B, ...] input batch: B split over (data, fsdp)."""
+    return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))

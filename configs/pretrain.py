@@ -1,0 +1,105 @@
+"""ALBERT pretraining config: `--config=configs/pretrain.py:size=base,sharing=all,embed=128`.
+
+Arg keys:
+  size       tiny | base | large | xlarge | xxlarge   (official sizes; tiny runs on a laptop CPU)
+  sharing    all | attention | ffn | none            (paper Table 4)
+  embed      embedding size E                        (paper Table 3; 128 for all released models)
+  objective  sop | nsp | none                        (paper Table 5)
+  data       demo | wiki_books | <a source spec of albert_jax.data.sources>
+Defaults reproduce the paper (Sec. 4.1): batch 4096, seq 512, 20 predictions, LAMB lr 0.00176,
+3125 warmup steps, 125k steps, linear decay to 0, weight decay 0.01, clip 1.0, no dropout (v2).
+Any field can be overridden afterwards: `--config.batch_size=256 --config.model.dtype=bfloat16`.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from configs.common import parse_arg
+
+SIZES = ("tiny", "base", "large", "xlarge", "xxlarge")
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    arg = parse_arg(arg, size="base", sharing="all", embed=-1, objective="sop", data="")
+    if arg.size not in SIZES:
+        raise ValueError(f"config arg size={arg.size!r} is not one of {SIZES}")
+    tiny = arg.size == "tiny"
+    c = ml_collections.ConfigDict()
+    c.size = arg.size  # preset name of albert_jax.ModelConfig
+
+    # --- model: fields of albert_jax.ModelConfig; unset ones come from the size preset.
+    c.model = ml_collections.ConfigDict()
+    c.model.sharing = arg.sharing  # which sub-blocks the layers share (all|attention|ffn|none)
+    if arg.embed > 0:
+        c.model.embedding_size = arg.embed  # E of the factorized embedding
+    if tiny:
+        c.model.vocab_size = 8000  # the demo tokenizer is trained to this size on first use
+    c.model.hidden_dropout_prob = 0.0  # v2 models: no dropout (paper Sec. 4.9, official v2)
+    c.model.attention_probs_dropout_prob = 0.0  # idem for attention probabilities
+    c.model.dtype = "float32"  # compute dtype; bfloat16 on TPU for speed
+    c.model.param_dtype = "float32"  # parameters stay fp32 for LAMB
+    c.model.remat_policy = "none"  # none|full|dots|dots_no_batch|minimal|save_attention_out
+    c.model.scan_layers = True  # nn.scan over layers (compile time independent of depth)
+
+    # --- objective and data
+    c.objective = arg.objective  # sop (ALBERT) | nsp (BERT) | none (MLM only)
+    c.data = ml_collections.ConfigDict()
+    c.data.sources = arg.data or ("demo" if tiny else "wiki_books")  # source spec (weights)
+    c.data.data_dir = ml_collections.FieldReference(None, field_type=str)  # TFDS dir
+    c.data.tokenizer = ml_collections.FieldReference(None, field_type=str)  # spm model path
+    c.data.short_seq_prob = 0.1  # fraction of shorter training sequences (official)
+    c.data.masked_lm_prob = 0.15  # masking rate before the max_predictions_per_seq cap
+    c.data.max_ngram = 3  # whole-word n-gram masking, n <= 3 with p(n) ~ 1/n
+    c.data.num_workers = 0 if tiny else 8  # preprocessing worker processes per host
+
+    # --- batch shape
+    c.batch_size = 64 if tiny else 4096  # global batch (sequences per step)
+    c.seq_len = 128 if tiny else 512  # tokens per sequence
+    c.max_predictions_per_seq = 20  # the authors used 20 even at 512 (official issue #51)
+    c.microbatches = 1  # gradient accumulation: 4096 sequences on any mesh
+
+    # --- optimization (LAMB as the official lamb_optimizer.py)
+    c.optimizer = "lamb"  # lamb (pretraining) | adamw
+    c.learning_rate = 0.005 if tiny else 0.00176  # peak LR
+    c.warmup_steps = 100 if tiny else 3125  # linear warmup
+    c.num_train_steps = 1500 if tiny else 125_000  # total steps; linear decay to 0
+    c.lr_poly_power = 1.0  # polynomial decay power (1 = linear)
+    c.weight_decay = 0.01  # decoupled decay, not on LayerNorm / bias
+    c.grad_clip_norm = 1.0  # global-norm clipping before the optimizer
+    c.b1 = 0.9  # LAMB beta1
+    c.b2 = 0.999  # LAMB beta2
+    c.eps = 1e-6  # LAMB epsilon
+
+    # --- mesh: (data, fsdp, tensor); -1 fills with the remaining devices
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1  # data-parallel replicas
+    c.mesh.fsdp = 1  # parameter/optimizer sharding
+    c.mesh.tensor = 1  # tensor parallel (heads, mlp, vocab)
+
+    # --- loop
+    c.seed = 0  # params init and data order
+    c.log_every_steps = 25 if tiny else 100  # metrics.jsonl / TensorBoard cadence
+    c.eval_every_steps = 250 if tiny else 5000  # held-out MLM/SOP evaluation
+    c.eval_batches = 8 if tiny else 50  # batches per evaluation
+    c.checkpoint_every_steps = 500 if tiny else 5000  # async Orbax saves
+    c.keep_checkpoints = 3  # keep the last k
+    c.resume_from = ml_collections.FieldReference(None, field_type=str)  # another workdir
+    c.init_from = ml_collections.FieldReference(None, field_type=str)  # params only
+    return c
+
+
+def sweep(add) -> None:
+    """The paper's ablation grid (Tables 3, 4, 5) on ALBERT-base.
+
+    `add(**overrides)` receives config-arg overrides; e.g. a launcher turns each call into
+    `--config=configs/pretrain.py:size=base,sharing=...,embed=...,objective=...`.
+    """
+    for sharing in ("none", "all"):  # Table 3: embedding size, not-shared vs all-shared
+        for embed in (64, 128, 256, 768):
+            add(size="base", sharing=sharing, embed=embed)
+    for embed in (768, 128):  # Table 4: sharing strategies
+        for sharing in ("all", "attention", "ffn", "none"):
+            add(size="base", sharing=sharing, embed=embed)
+    for objective in ("none", "nsp", "sop"):  # Table 5: sentence-level objectives
+        add(size="base", objective=objective)
