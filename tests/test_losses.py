@@ -1,0 +1,127 @@
+"""MLM / SOP losses and metrics against numpy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.special import log_softmax
+
+from albert_jax import losses
+
+B, P, V = 3, 4, 11
+
+
+def mlm_example(seed=0):
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(scale=3.0, size=(B, P, V)).astype(np.float32)
+    ids = rng.integers(0, V, size=(B, P)).astype(np.int32)
+    weights = np.array([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], np.float32)
+    # Make a few predictions right so accuracy is neither 0 nor 1.
+    ids[0, 0] = logits[0, 0].argmax()
+    ids[2, 1] = logits[2, 1].argmax()
+    ids[1, 3] = logits[1, 3].argmax()  # padding slot: must not count
+    return logits, ids, weights
+
+
+def numpy_mlm_loss(logits, ids, weights):
+    logp = log_softmax(logits.astype(np.float64), axis=-1)
+    nll = -np.take_along_axis(logp, ids[..., None], axis=-1)[..., 0]
+    return np.sum(weights * nll) / (np.sum(weights) + 1e-5)
+
+
+def test_masked_lm_loss_matches_official_formula():
+    logits, ids, weights = mlm_example()
+    loss = losses.masked_lm_loss(jnp.asarray(logits), jnp.asarray(ids), jnp.asarray(weights))
+    assert loss.dtype == jnp.float32
+    np.testing.assert_allclose(loss, numpy_mlm_loss(logits, ids, weights), rtol=1e-6)
+
+
+def test_masked_lm_loss_in_float32_for_bfloat16_logits():
+    logits, ids, weights = mlm_example(1)
+    bf16 = jnp.asarray(logits, jnp.bfloat16)
+    loss = losses.masked_lm_loss(bf16, jnp.asarray(ids), jnp.asarray(weights))
+    assert loss.dtype == jnp.float32
+    # Exact up to f32 rounding on the bf16-rounded inputs: nothing is computed in bf16.
+    expected = numpy_mlm_loss(np.asarray(bf16.astype(jnp.float32)), ids, weights)
+    np.testing.assert_allclose(loss, expected, rtol=1e-6)
+    grads = jax.jit(jax.grad(lambda x: losses.masked_lm_loss(x, ids, weights)))(bf16)
+    assert grads.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(grads)))
+
+
+def test_padding_slots_never_contribute_but_bad_labels_show():
+    logits, ids, weights = mlm_example()
+    ids = ids.copy()
+    ids[0, 3] = V + 7  # out of range, weight 0 (padding)
+    loss = losses.masked_lm_loss(jnp.asarray(logits), jnp.asarray(ids), jnp.asarray(weights))
+    ids_ok = ids.copy()
+    ids_ok[0, 3] = 0
+    np.testing.assert_allclose(loss, numpy_mlm_loss(logits, ids_ok, weights), rtol=1e-6)
+    ids[0, 0] = V + 7  # out of range on a real prediction: NaN, not a silent clamp
+    loss = losses.masked_lm_loss(jnp.asarray(logits), jnp.asarray(ids), jnp.asarray(weights))
+    assert np.isnan(loss)
+
+
+def test_masked_lm_loss_and_accuracy_without_predictions():
+    logits, ids, _ = mlm_example()
+    zeros = jnp.zeros((B, P), jnp.float32)
+    assert float(losses.masked_lm_loss(logits, ids, zeros)) == 0.0
+    assert float(losses.masked_lm_accuracy(logits, ids, zeros)) == 0.0
+
+
+def test_masked_lm_accuracy_is_weighted():
+    logits, ids, weights = mlm_example()
+    correct = (logits.argmax(-1) == ids).astype(np.float32)
+    expected = np.sum(weights * correct) / np.sum(weights)
+    assert 0.0 < expected < 1.0
+    accuracy = losses.masked_lm_accuracy(jnp.asarray(logits), jnp.asarray(ids), weights)
+    np.testing.assert_allclose(accuracy, expected, rtol=1e-6)
+
+
+def sop_example():
+    logits = np.array([[2.0, -1.0], [0.5, 0.7], [-3.0, 1.0], [0.0, 0.1]], np.float32)
+    labels = np.array([0, 0, 1, 0], np.int32)
+    return logits, labels
+
+
+def test_sentence_order_loss_and_accuracy():
+    logits, labels = sop_example()
+    expected = -np.mean(log_softmax(logits.astype(np.float64), axis=-1)[np.arange(4), labels])
+    np.testing.assert_allclose(losses.sentence_order_loss(logits, labels), expected, rtol=1e-6)
+    np.testing.assert_allclose(losses.sentence_order_accuracy(logits, labels), 0.5)
+
+
+def pretraining_inputs():
+    logits, ids, weights = mlm_example()
+    sop_logits, labels = sop_example()
+    outputs = {"mlm_logits": logits, "sop_logits": sop_logits[:B]}
+    batch = {"masked_lm_ids": ids, "masked_lm_weights": weights, "sentence_order_label": labels[:B]}
+    return outputs, batch
+
+
+def test_pretraining_loss_is_mlm_plus_sop():
+    outputs, batch = pretraining_inputs()
+    loss, metrics = jax.jit(losses.pretraining_loss)(outputs, batch)
+    assert set(metrics) == {"loss", "mlm_loss", "sop_loss", "mlm_accuracy", "sop_accuracy"}
+    mlm = numpy_mlm_loss(outputs["mlm_logits"], batch["masked_lm_ids"], batch["masked_lm_weights"])
+    sop_logp = log_softmax(outputs["sop_logits"].astype(np.float64), axis=-1)
+    sop = -np.mean(sop_logp[np.arange(B), batch["sentence_order_label"]])
+    np.testing.assert_allclose(metrics["mlm_loss"], mlm, rtol=1e-6)
+    np.testing.assert_allclose(metrics["sop_loss"], sop, rtol=1e-6)
+    np.testing.assert_allclose(loss, mlm + sop, rtol=1e-6)
+    assert metrics["loss"] == loss
+
+
+def test_pretraining_loss_without_sentence_order():
+    outputs, batch = pretraining_inputs()
+    del outputs["sop_logits"], batch["sentence_order_label"]
+    loss, metrics = losses.pretraining_loss(outputs, batch, sentence_order=False)
+    np.testing.assert_allclose(loss, metrics["mlm_loss"])
+    assert float(metrics["sop_loss"]) == 0.0 and float(metrics["sop_accuracy"]) == 0.0
+
+
+@pytest.mark.parametrize("missing", ["masked_lm_weights", "sentence_order_label"])
+def test_pretraining_loss_names_missing_batch_key(missing):
+    outputs, batch = pretraining_inputs()
+    del batch[missing]
+    with pytest.raises(ValueError, match=missing):
+        losses.pretraining_loss(outputs, batch)
