@@ -1,0 +1,499 @@
+"""Readers for the local labelled sets (shared/data/tasks/) and SQuAD-format JSON files.
+
+Each reader turns one file into a list of plain, frozen dataclass records:
+
+  sentiment_rt        {"sentence", "label" (0 neg, 1 pos), "score"}  → ClassificationExample
+                      (the same files, label = the mean human rating "score", give the
+                      regression task `sentiment_rt_score`)
+  nli_vitaminc        {"premise", "hypothesis", "label": "entailment"|"neutral"|"contradiction"}
+                      → ClassificationExample, label = index in VITAMINC_LABELS
+  mc_cosmosqa         {"context", "question", "options": [2..num_choices str], "label": index}
+                      → MultipleChoiceExample, options padded to num_choices, with a mask
+  SQuAD v1.1 / v2.0   {"data": [{"title", "paragraphs": [{"context", "qas": [...]}]}]}
+                      → SpanExample, one per question
+
+A bad record (missing or mistyped field, empty text, label out of range, SQuAD answer that is
+not in its context) is skipped and counted in a ReadStats, by reason, with the location of the
+first one; a summary is logged whenever anything was skipped. Nothing is dropped silently.
+
+The JSON Lines files may be gzip'ed (detected from the content, not the file name).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import gzip
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal, NamedTuple
+
+log = logging.getLogger(__name__)
+
+PathLike = str | os.PathLike
+
+# Label order of the NLI tasks in GLUE (MNLI) as TFDS and HF number them, so that a model
+# fine-tuned on one can be evaluated on the other without a label map.
+VITAMINC_LABELS: tuple[str, ...] = ("entailment", "neutral", "contradiction")
+SENTIMENT_LABELS: tuple[str, ...] = ("negative", "positive")
+# RACE-style multiple choice: the head scores a fixed number of options per question.
+DEFAULT_NUM_CHOICES = 4
+
+
+# ----------------------------------------------------------------------------- records
+@dataclasses.dataclass(frozen=True)
+class ClassificationExample:
+    """One sentence (text_b None) or sentence pair; label: class index, or float (regression)."""
+
+    id: str
+    text_a: str
+    text_b: str | None
+    label: int | float
+
+
+@dataclasses.dataclass(frozen=True)
+class MultipleChoiceExample:
+    """A question with options padded to num_choices; option_mask[i] is 1 for real options.
+
+    options: [num_choices] str ("" for padding); option_mask: [num_choices] int in {0, 1};
+    label: index of the correct option (always a real one).
+    """
+
+    id: str
+    context: str
+    question: str
+    options: tuple[str, ...]
+    option_mask: tuple[int, ...]
+    label: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SpanAnswer:
+    """A gold answer: context[answer_start : answer_start + len(text)] == text."""
+
+    text: str
+    answer_start: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SpanExample:
+    """One SQuAD question. answers is empty exactly when is_impossible (SQuAD v2.0)."""
+
+    id: str
+    title: str
+    question: str
+    context: str
+    answers: tuple[SpanAnswer, ...]
+    is_impossible: bool
+
+
+# ----------------------------------------------------------------------------- bookkeeping
+@dataclasses.dataclass
+class ReadStats:
+    """What a reader saw: records read, kept, and skipped by reason.
+
+    read / kept / skipped count records (lines, or SQuAD questions). `adjusted` counts events
+    inside records that were kept or skipped: SQuAD answers whose answer_start was moved to
+    where their text really is, or answers dropped. `first_skipped` maps each reason to where it
+    first happened ("file:line" or "file:question-id"), to find the bad input quickly.
+    """
+
+    read: int = 0
+    kept: int = 0
+    skipped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    adjusted: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    first_skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def skipped_total(self) -> int:
+        return sum(self.skipped.values())
+
+    def skip(self, reason: str, where: str) -> None:
+        self.skipped[reason] += 1
+        self.first_skipped.setdefault(reason, where)
+
+    def update(self, other: ReadStats) -> None:
+        """Adds another file's counts to these."""
+        self.read += other.read
+        self.kept += other.kept
+        self.skipped.update(other.skipped)
+        self.adjusted.update(other.adjusted)
+        for reason, where in other.first_skipped.items():
+            self.first_skipped.setdefault(reason, where)
+
+
+class _BadRecordError(Exception):
+    """Internal: the record at hand is skipped for `reason`."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _log_summary(path: PathLike, stats: ReadStats) -> None:
+    if stats.skipped_total or stats.adjusted:
+        log.warning(
+            "%s: read %d, kept %d, skipped %d %s, adjusted %s, first skipped at %s",
+            os.fspath(path),
+            stats.read,
+            stats.kept,
+            stats.skipped_total,
+            dict(stats.skipped),
+            dict(stats.adjusted),
+            stats.first_skipped,
+        )
+
+
+# ----------------------------------------------------------------------------- file access
+def open_text(path: PathLike):
+    """Opens a text file for reading, gunzipping it if it starts with the gzip magic bytes."""
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    if magic == b"\x1f\x8b":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _file_stem(path: PathLike) -> str:
+    """dev.jsonl.gz → dev: the prefix of record ids."""
+    name = os.path.basename(os.fspath(path))
+    for suffix in (".gz", ".jsonl", ".json"):
+        name = name.removesuffix(suffix)
+    return name
+
+
+def _jsonl_records(path: PathLike, stats: ReadStats) -> Iterator[tuple[str, str, dict]]:
+    """Yields (id, location, record) for every JSON object line; counts the lines that are not."""
+    stem = _file_stem(path)
+    base = os.path.basename(os.fspath(path))
+    with open_text(path) as f:
+        for line_number, line in enumerate(f):
+            if not line.strip():
+                continue  # blank lines (e.g. a trailing newline) hold no record
+            stats.read += 1
+            where = f"{base}:{line_number + 1}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                stats.skip("invalid_json", where)
+                continue
+            if not isinstance(record, dict):
+                stats.skip("not_an_object", where)
+                continue
+            yield f"{stem}-{line_number}", where, record
+
+
+def _text_field(record: dict, name: str) -> str:
+    if name not in record:
+        raise _BadRecordError(f"missing_field:{name}")
+    value = record[name]
+    if not isinstance(value, str):
+        raise _BadRecordError(f"bad_type:{name}")
+    if not value.strip():
+        raise _BadRecordError(f"empty_text:{name}")
+    return value
+
+
+def _int_field(record: dict, name: str) -> int:
+    if name not in record:
+        raise _BadRecordError(f"missing_field:{name}")
+    value = record[name]
+    # bool is an int in Python; a JSON true/false label is a malformed record, not class 1/0.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _BadRecordError(f"bad_type:{name}")
+    return value
+
+
+def _float_field(record: dict, name: str) -> float:
+    if name not in record:
+        raise _BadRecordError(f"missing_field:{name}")
+    value = record[name]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _BadRecordError(f"bad_type:{name}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise _BadRecordError(f"not_finite:{name}")
+    return float(value)
+
+
+def _read_jsonl(path: PathLike, parse: Callable[[str, dict], Any], stats: ReadStats | None) -> list:
+    """Applies parse(id, record) to each line of a JSON Lines file; skips and counts bad ones."""
+    file_stats = ReadStats()
+    examples = []
+    for example_id, where, record in _jsonl_records(path, file_stats):
+        try:
+            examples.append(parse(example_id, record))
+        except _BadRecordError as bad:
+            file_stats.skip(bad.reason, where)
+    file_stats.kept = len(examples)
+    _log_summary(path, file_stats)
+    if stats is not None:
+        stats.update(file_stats)
+    return examples
+
+
+# ----------------------------------------------------------------------------- readers
+def read_sentiment_rt(
+    path: PathLike, *, stats: ReadStats | None = None
+) -> list[ClassificationExample]:
+    """sentiment_rt lines {"sentence", "label" 0|1} → ClassificationExample(label=int)."""
+
+    def parse(example_id: str, record: dict) -> ClassificationExample:
+        sentence = _text_field(record, "sentence")
+        label = _int_field(record, "label")
+        if not 0 <= label < len(SENTIMENT_LABELS):
+            raise _BadRecordError("label_out_of_range")
+        return ClassificationExample(example_id, sentence, None, label)
+
+    return _read_jsonl(path, parse, stats)
+
+
+def read_sentiment_rt_score(
+    path: PathLike, *, stats: ReadStats | None = None
+) -> list[ClassificationExample]:
+    """sentiment_rt lines {"sentence", "score"} → ClassificationExample(label=float score).
+
+    score is the mean of ≥20 human ratings on a −4..4 scale: a real single-sentence regression
+    target (an STS-B-like task on local data).
+    """
+
+    def parse(example_id: str, record: dict) -> ClassificationExample:
+        sentence = _text_field(record, "sentence")
+        return ClassificationExample(example_id, sentence, None, _float_field(record, "score"))
+
+    return _read_jsonl(path, parse, stats)
+
+
+def read_nli_vitaminc(
+    path: PathLike, *, stats: ReadStats | None = None
+) -> list[ClassificationExample]:
+    """nli_vitaminc lines {"premise", "hypothesis", "label": name} → index in VITAMINC_LABELS."""
+
+    def parse(example_id: str, record: dict) -> ClassificationExample:
+        premise = _text_field(record, "premise")
+        hypothesis = _text_field(record, "hypothesis")
+        label = _text_field(record, "label")
+        if label not in VITAMINC_LABELS:
+            raise _BadRecordError("unknown_label")
+        return ClassificationExample(example_id, premise, hypothesis, VITAMINC_LABELS.index(label))
+
+    return _read_jsonl(path, parse, stats)
+
+
+def read_mc_cosmosqa(
+    path: PathLike, *, stats: ReadStats | None = None, num_choices: int = DEFAULT_NUM_CHOICES
+) -> list[MultipleChoiceExample]:
+    """mc_cosmosqa lines {"context", "question", "options", "label"} → MultipleChoiceExample.
+
+    Records with 2..num_choices options are kept (the files hold 3 or 4, and one real record
+    with 2); the options are padded with "" to num_choices and option_mask marks the real ones.
+    """
+    if num_choices < 2:
+        raise ValueError(f"num_choices must be at least 2, got {num_choices}")
+
+    def parse(example_id: str, record: dict) -> MultipleChoiceExample:
+        context = _text_field(record, "context")
+        question = _text_field(record, "question")
+        if "options" not in record:
+            raise _BadRecordError("missing_field:options")
+        options = record["options"]
+        if not isinstance(options, list) or not all(isinstance(o, str) for o in options):
+            raise _BadRecordError("bad_type:options")
+        if any(not o.strip() for o in options):
+            raise _BadRecordError("empty_text:options")
+        if len(options) < 2:
+            raise _BadRecordError("too_few_options")
+        if len(options) > num_choices:
+            raise _BadRecordError("too_many_options")
+        label = _int_field(record, "label")
+        if not 0 <= label < len(options):
+            raise _BadRecordError("label_out_of_range")
+        padding = num_choices - len(options)
+        return MultipleChoiceExample(
+            id=example_id,
+            context=context,
+            question=question,
+            options=tuple(options) + ("",) * padding,
+            option_mask=(1,) * len(options) + (0,) * padding,
+            label=label,
+        )
+
+    return _read_jsonl(path, parse, stats)
+
+
+def _nearest_occurrence(context: str, text: str, near: int) -> int:
+    """Start of the occurrence of text in context closest to `near`, or -1 if there is none."""
+    best = -1
+    start = context.find(text)
+    while start != -1:
+        if best == -1 or abs(start - near) < abs(best - near):
+            best = start
+        start = context.find(text, start + 1)
+    return best
+
+
+def _squad_answers(
+    raw_answers: Any, context: str, relocate_answers: bool, stats: ReadStats
+) -> tuple[SpanAnswer, ...]:
+    """Valid gold answers of one question; bad ones are dropped and counted in stats.adjusted."""
+    if not isinstance(raw_answers, list):
+        raise _BadRecordError("bad_type:answers")
+    answers = []
+    for raw in raw_answers:
+        text = raw.get("text") if isinstance(raw, dict) else None
+        start = raw.get("answer_start") if isinstance(raw, dict) else None
+        if (
+            not isinstance(text, str)
+            or not text
+            or isinstance(start, bool)
+            or not isinstance(start, int)
+        ):
+            stats.adjusted["answer_dropped:bad_field"] += 1
+            continue
+        if context[start : start + len(text)] != text:
+            # Some real files (e.g. SQuAD-Shifts amazon_reviews) have offsets shifted by a few
+            # characters; the answer text itself is in the context, so it is moved there.
+            found = _nearest_occurrence(context, text, start) if relocate_answers else -1
+            if found == -1:
+                stats.adjusted["answer_dropped:not_in_context"] += 1
+                continue
+            stats.adjusted["answer_start_relocated"] += 1
+            start = found
+        answers.append(SpanAnswer(text, start))
+    return tuple(answers)
+
+
+def read_squad(
+    path: PathLike, *, stats: ReadStats | None = None, relocate_answers: bool = True
+) -> list[SpanExample]:
+    """A SQuAD v1.1 or v2.0 JSON file (gzip'ed or not) → one SpanExample per question.
+
+    v2.0 questions with `is_impossible: true` get no answers. An answer whose answer_start does
+    not point at its text is moved to the nearest occurrence of the text in the context
+    (relocate_answers=True) or dropped; a question left without answers that is not impossible
+    is skipped. Question ids must be unique (predictions are keyed by them).
+    """
+    with open_text(path) as f:
+        dataset = json.load(f)
+    if not isinstance(dataset, dict) or not isinstance(dataset.get("data"), list):
+        raise ValueError(f"{os.fspath(path)}: not SQuAD JSON: expected a top-level 'data' list")
+    base = os.path.basename(os.fspath(path))
+    file_stats = ReadStats()
+    examples: list[SpanExample] = []
+    seen_ids: set[str] = set()
+    for article_index, article in enumerate(dataset["data"]):
+        title = article.get("title", "") if isinstance(article, dict) else ""
+        paragraphs = article.get("paragraphs") if isinstance(article, dict) else None
+        if not isinstance(paragraphs, list):
+            file_stats.read += 1
+            file_stats.skip("missing_field:paragraphs", f"{base}:data[{article_index}]")
+            continue
+        for paragraph_index, paragraph in enumerate(paragraphs):
+            where_paragraph = f"{base}:data[{article_index}].paragraphs[{paragraph_index}]"
+            qas = paragraph.get("qas") if isinstance(paragraph, dict) else None
+            if not isinstance(qas, list):
+                file_stats.read += 1
+                file_stats.skip("missing_field:qas", where_paragraph)
+                continue
+            context = paragraph.get("context")
+            for qa_index, qa in enumerate(qas):
+                file_stats.read += 1
+                where = f"{where_paragraph}.qas[{qa_index}]"
+                try:
+                    if not isinstance(context, str) or not context.strip():
+                        raise _BadRecordError("missing_field:context")
+                    if not isinstance(qa, dict):
+                        raise _BadRecordError("not_an_object")
+                    qid = qa.get("id")
+                    if not isinstance(qid, str) or not qid:
+                        raise _BadRecordError("missing_field:id")
+                    where = f"{base}:{qid}"
+                    if qid in seen_ids:
+                        raise _BadRecordError("duplicate_id")
+                    question = _text_field(qa, "question")
+                    is_impossible = qa.get("is_impossible", False)
+                    if not isinstance(is_impossible, bool):
+                        raise _BadRecordError("bad_type:is_impossible")
+                    answers: tuple[SpanAnswer, ...] = ()
+                    if not is_impossible:
+                        answers = _squad_answers(
+                            qa.get("answers", []), context, relocate_answers, file_stats
+                        )
+                        if not answers:
+                            raise _BadRecordError("no_valid_answer")
+                except _BadRecordError as bad:
+                    file_stats.skip(bad.reason, where)
+                    continue
+                seen_ids.add(qid)
+                examples.append(
+                    SpanExample(qid, str(title), question, context, answers, is_impossible)
+                )
+    file_stats.kept = len(examples)
+    _log_summary(path, file_stats)
+    if stats is not None:
+        stats.update(file_stats)
+    return examples
+
+
+# ----------------------------------------------------------------------------- registry
+TaskKind = Literal["classification", "regression", "multiple_choice", "span"]
+
+
+class LocalTask(NamedTuple):
+    """How to read and score a local task.
+
+    num_labels: classes (classification), 1 (regression), options per question
+    (multiple_choice), 2 = start and end logits (span). metrics: names in
+    albert_jax.tasks.metrics.METRIC_FNS, or the SQuAD evaluator's keys for span tasks.
+    """
+
+    reader: Callable[..., list]
+    kind: TaskKind
+    num_labels: int
+    metrics: tuple[str, ...]
+
+
+TASKS: dict[str, LocalTask] = {
+    "sentiment_rt": LocalTask(read_sentiment_rt, "classification", 2, ("accuracy",)),
+    "sentiment_rt_score": LocalTask(
+        read_sentiment_rt_score, "regression", 1, ("pearson", "spearman")
+    ),
+    "nli_vitaminc": LocalTask(read_nli_vitaminc, "classification", 3, ("accuracy",)),
+    "mc_cosmosqa": LocalTask(
+        read_mc_cosmosqa, "multiple_choice", DEFAULT_NUM_CHOICES, ("accuracy",)
+    ),
+    "squad_shifts": LocalTask(read_squad, "span", 2, ("exact_match", "f1")),
+}
+
+
+def expand_paths(paths: PathLike | Sequence[PathLike]) -> list[str]:
+    """Files named by a path, a glob, a comma-separated list of them, or a sequence of them."""
+    if isinstance(paths, str | os.PathLike):
+        patterns = [p for p in os.fspath(paths).split(",") if p]
+    else:
+        patterns = [os.fspath(p) for p in paths]
+    files: list[str] = []
+    for pattern in patterns:
+        is_glob = any(c in pattern for c in "*?[")
+        matches = sorted(glob.glob(pattern)) if is_glob else [pattern]
+        if not matches or not all(os.path.isfile(m) for m in matches):
+            raise ValueError(f"files: {pattern!r} names no readable file")
+        files.extend(matches)
+    if not files:
+        raise ValueError("files: no path given")
+    return files
+
+
+def read_task(
+    name: str, paths: PathLike | Sequence[PathLike], *, stats: ReadStats | None = None
+) -> list:
+    """All records of a local task from one or more files (see expand_paths), in file order."""
+    if name not in TASKS:
+        raise ValueError(f"task: unknown local task {name!r}; known: {sorted(TASKS)}")
+    reader = TASKS[name].reader
+    examples: list = []
+    for path in expand_paths(paths):
+        examples.extend(reader(path, stats=stats))
+    return examples

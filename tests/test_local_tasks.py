@@ -1,0 +1,236 @@
+"""Readers of the local labelled sets: real files (README counts) and bad-record counting."""
+
+import collections
+import gzip
+import json
+import os
+
+import pytest
+
+from albert_jax.tasks import local
+from albert_jax.tasks.metrics import METRIC_FNS
+
+
+def _tasks_dir(shared_data, *parts):
+    return os.path.join(shared_data, "tasks", *parts)
+
+
+# Record counts from shared/data/README.md (train / dev).
+README_COUNTS = {
+    "sentiment_rt": (8431, 1109),
+    "nli_vitaminc": (43598, 5459),
+    "mc_cosmosqa": (5231, 621),
+}
+
+
+@pytest.mark.parametrize("name", sorted(README_COUNTS))
+def test_real_files_match_readme_counts(shared_data, name):
+    for split, expected in zip(("train", "dev"), README_COUNTS[name], strict=True):
+        stats = local.ReadStats()
+        examples = local.read_task(
+            name, _tasks_dir(shared_data, name, f"{split}.jsonl.gz"), stats=stats
+        )
+        assert len(examples) == stats.kept == stats.read == expected
+        assert stats.skipped_total == 0
+        assert len({e.id for e in examples}) == expected
+        task = local.TASKS[name]
+        labels = collections.Counter(e.label for e in examples)
+        assert set(labels) == set(range(task.num_labels))  # every class occurs, none beyond
+
+
+def test_record_contents(shared_data):
+    dev = local.read_nli_vitaminc(_tasks_dir(shared_data, "nli_vitaminc", "dev.jsonl.gz"))
+    first = dev[0]
+    assert first.text_a.startswith("Thrift Shop: Furthermore")
+    assert first.text_b.startswith("Thrift Shop commands")
+    assert first.label == local.VITAMINC_LABELS.index("entailment") == 0
+    counts = collections.Counter(local.VITAMINC_LABELS[e.label] for e in dev)
+    assert counts == {"entailment": 2735, "contradiction": 2026, "neutral": 698}
+
+    sentences = local.read_sentiment_rt(_tasks_dir(shared_data, "sentiment_rt", "dev.jsonl.gz"))
+    assert sentences[0].text_b is None and sentences[0].label == 1
+    scores = local.read_sentiment_rt_score(_tasks_dir(shared_data, "sentiment_rt", "dev.jsonl.gz"))
+    assert scores[0].label == pytest.approx(1.73333333333)
+    # The binary label is the sign of the mean rating in this set.
+    assert all((s.label > 0) == (c.label == 1) for s, c in zip(scores, sentences, strict=True))
+
+    train = local.read_mc_cosmosqa(_tasks_dir(shared_data, "mc_cosmosqa", "train.jsonl.gz"))
+    real_options = collections.Counter(sum(e.option_mask) for e in train)
+    assert real_options == {3: 3664, 4: 1566, 2: 1}
+    for e in train:
+        assert len(e.options) == len(e.option_mask) == local.DEFAULT_NUM_CHOICES
+        assert e.option_mask[e.label] == 1
+        assert all(o == "" for o, m in zip(e.options, e.option_mask, strict=True) if not m)
+
+
+def test_squad_shifts_all_questions(shared_data):
+    stats = local.ReadStats()
+    pattern = _tasks_dir(shared_data, "squad_shifts", "*.json.gz")
+    examples = local.read_task("squad_shifts", pattern, stats=stats)
+    # README: 4 files, ~37.6k QAs (9,877 amazon + 7,936 new_wiki + 10,056 nyt + 9,767 reddit).
+    assert len(examples) == stats.read == 37636 and stats.skipped_total == 0
+    assert len({e.id for e in examples}) == 37636
+    # Some answer_start offsets are shifted by a few characters in the real files: all are
+    # moved onto their text, and every kept answer now points at it.
+    assert stats.adjusted == {"answer_start_relocated": 987}
+    for e in examples:
+        assert not e.is_impossible and e.answers
+        for a in e.answers:
+            assert e.context[a.answer_start : a.answer_start + len(a.text)] == a.text
+
+    strict = local.ReadStats()
+    kept = local.read_squad(
+        _tasks_dir(shared_data, "squad_shifts", "nyt_v1.0.json.gz"),
+        stats=strict,
+        relocate_answers=False,
+    )
+    assert len(kept) == 10055 and strict.skipped == {"no_valid_answer": 1}
+    assert strict.adjusted == {"answer_dropped:not_in_context": 10}
+
+
+def _write_jsonl_gz(path, lines):
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for line in lines:
+            f.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
+
+
+def test_bad_jsonl_records_are_skipped_and_counted(tmp_path):
+    path = tmp_path / "train.jsonl.gz"
+    _write_jsonl_gz(
+        path,
+        [
+            {"sentence": "good one", "label": 1, "score": 1.5},
+            {"sentence": "no label"},
+            {"sentence": "", "label": 0},
+            {"sentence": "label two", "label": 2},
+            {"sentence": "bool label", "label": True},
+            "{not json",
+            "",  # blank line: no record
+            [1, 2],
+            {"sentence": "good two", "label": 0, "score": -0.5},
+        ],
+    )
+    stats = local.ReadStats()
+    examples = local.read_sentiment_rt(path, stats=stats)
+    assert [e.text_a for e in examples] == ["good one", "good two"]
+    assert [e.id for e in examples] == ["train-0", "train-8"]  # ids are line numbers
+    assert stats.read == 8 and stats.kept == 2 and stats.skipped_total == 6
+    assert stats.skipped == {
+        "missing_field:label": 1,
+        "empty_text:sentence": 1,
+        "label_out_of_range": 1,
+        "bad_type:label": 1,
+        "invalid_json": 1,
+        "not_an_object": 1,
+    }
+    assert stats.first_skipped["label_out_of_range"] == "train.jsonl.gz:4"
+
+    nli = tmp_path / "nli.jsonl"  # not gzip'ed: detected from the content
+    nli.write_text(
+        json.dumps({"premise": "p", "hypothesis": "h", "label": "neutral"})
+        + "\n"
+        + json.dumps({"premise": "p", "hypothesis": "h", "label": "SUPPORTS"})
+        + "\n"
+    )
+    stats = local.ReadStats()
+    assert [e.label for e in local.read_nli_vitaminc(nli, stats=stats)] == [1]
+    assert stats.skipped == {"unknown_label": 1}
+
+    mc = tmp_path / "mc.jsonl.gz"
+    base = {"context": "c", "question": "q"}
+    _write_jsonl_gz(
+        mc,
+        [
+            {**base, "options": ["a", "b", "c"], "label": 2},
+            {**base, "options": ["a", "b", "c"], "label": 3},
+            {**base, "options": ["a"], "label": 0},
+            {**base, "options": ["a", "b", "c", "d", "e"], "label": 0},
+            {**base, "options": ["a", 5], "label": 0},
+            {**base, "options": ["a", " "], "label": 0},
+            {"context": "c", "options": ["a", "b"], "label": 0},
+        ],
+    )
+    stats = local.ReadStats()
+    (example,) = local.read_mc_cosmosqa(mc, stats=stats)
+    assert example.options == ("a", "b", "c", "") and example.option_mask == (1, 1, 1, 0)
+    assert stats.skipped == {
+        "label_out_of_range": 1,
+        "too_few_options": 1,
+        "too_many_options": 1,
+        "bad_type:options": 1,
+        "empty_text:options": 1,
+        "missing_field:question": 1,
+    }
+
+
+def test_squad_v2_reader_and_bad_answers(tmp_path):
+    context = "Paris is the capital of France. Paris is large."
+    qas = [
+        {"id": "ok", "question": "Capital?", "answers": [{"text": "Paris", "answer_start": 0}]},
+        # Offset off by 2: relocated to the nearest "Paris" (32, not 0).
+        {"id": "shifted", "question": "Large?", "answers": [{"text": "Paris", "answer_start": 30}]},
+        # One answer not in the context (dropped), one good one (kept).
+        {
+            "id": "mixed",
+            "question": "Country?",
+            "answers": [
+                {"text": "Germany", "answer_start": 24},
+                {"text": "France", "answer_start": 24},
+            ],
+        },
+        {"id": "none", "question": "?", "answers": [{"text": "Berlin", "answer_start": 0}]},
+        {"id": "imp", "question": "Mayor?", "answers": [], "is_impossible": True},
+        {"id": "ok", "question": "Again?", "answers": [{"text": "Paris", "answer_start": 0}]},
+        {"id": "noq", "answers": [{"text": "Paris", "answer_start": 0}]},
+        {"id": "bad", "question": "?", "answers": [{"text": "Paris"}]},
+    ]
+    dataset = {
+        "version": "v2.0",
+        "data": [{"title": "Paris", "paragraphs": [{"context": context, "qas": qas}]}],
+    }
+    path = tmp_path / "dev-v2.0.json"
+    path.write_text(json.dumps(dataset))
+    stats = local.ReadStats()
+    examples = {e.id: e for e in local.read_squad(path, stats=stats)}
+    assert sorted(examples) == ["imp", "mixed", "ok", "shifted"]
+    assert examples["shifted"].answers == (local.SpanAnswer("Paris", 32),)
+    assert examples["mixed"].answers == (local.SpanAnswer("France", 24),)
+    assert examples["imp"].is_impossible and examples["imp"].answers == ()
+    assert examples["ok"].title == "Paris" and examples["ok"].question == "Capital?"
+    assert stats.read == 8 and stats.kept == 4
+    assert stats.skipped == {
+        "no_valid_answer": 2,
+        "duplicate_id": 1,
+        "missing_field:question": 1,
+    }
+    assert stats.adjusted == {
+        "answer_start_relocated": 1,
+        "answer_dropped:not_in_context": 2,
+        "answer_dropped:bad_field": 1,
+    }
+    with pytest.raises(ValueError, match="top-level 'data'"):
+        (tmp_path / "x.json").write_text("[]")
+        local.read_squad(tmp_path / "x.json")
+
+
+def test_registry_and_paths(shared_data, tmp_path):
+    for name, task in local.TASKS.items():
+        assert task.kind in ("classification", "regression", "multiple_choice", "span"), name
+        if task.kind == "span":
+            assert task.metrics == ("exact_match", "f1")
+        else:
+            assert set(task.metrics) <= set(METRIC_FNS), name
+    reader, kind, num_labels, metric_names = local.TASKS["nli_vitaminc"]
+    assert (kind, num_labels, metric_names) == ("classification", 3, ("accuracy",))
+    assert local.TASKS["sentiment_rt_score"].kind == "regression"
+
+    both = ",".join(
+        _tasks_dir(shared_data, "sentiment_rt", f"{s}.jsonl.gz") for s in ("train", "dev")
+    )
+    assert len(local.read_task("sentiment_rt", both)) == 8431 + 1109
+    with pytest.raises(ValueError, match="unknown local task"):
+        local.read_task("sst2", both)
+    with pytest.raises(ValueError, match="names no readable file"):
+        local.read_task("sentiment_rt", str(tmp_path / "missing-*.jsonl"))
+    with pytest.raises(ValueError, match="num_choices"):
+        local.read_mc_cosmosqa(tmp_path / "any", num_choices=1)
