@@ -86,7 +86,8 @@ def _select_layer(w: Array, stack: int | None, layer_idx: Array | int | None) ->
         return w
     if layer_idx is None:
         raise ValueError("a stacked (unshared) parameter needs the layer index")
-    return w[layer_idx]
+    # jnp.asarray: params may arrive as numpy arrays, which cannot be indexed by a tracer.
+    return jnp.asarray(w)[layer_idx]
 
 
 class Dense(nn.Module):

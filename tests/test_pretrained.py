@@ -1,0 +1,218 @@
+"""`load_pretrained` on every layout: model dir, training workdir / step dir (real Orbax
+CheckpointManager, params saved sharded over 8 devices), HF checkpoints that lack heads."""
+
+import gzip
+import itertools
+import json
+import os
+import shutil
+
+import flax.linen as nn
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from albert_jax.config import ModelConfig
+from albert_jax.convert import flatten_params
+from albert_jax.data.tokenizer import Tokenizer, train_tokenizer
+from albert_jax.model import AlbertForPreTraining, init_params
+from albert_jax.pretrained import (
+    TRAINING_ITEMS,
+    checkpoint_meta,
+    detect_layout,
+    load_pretrained,
+    save_model_dir,
+)
+
+CONFIG = ModelConfig(
+    vocab_size=120,
+    embedding_size=16,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=40,
+    max_position_embeddings=32,
+    sharing="attention",  # our own format stores any sharing strategy (FFN has a layer axis)
+)
+
+
+def random_params(config: ModelConfig, seed: int):
+    """Random numpy values for every parameter (shapes from tracing init, nothing compiled)."""
+    model = AlbertForPreTraining(config)
+    shapes = jax.eval_shape(lambda k: nn.meta.unbox(init_params(model, k)), jax.random.key(0))
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(np.float32), shapes)
+
+
+def assert_same_tree(a, b) -> None:
+    fa, fb = flatten_params(a), flatten_params(b)
+    assert sorted(fa) == sorted(fb)
+    for key in fa:
+        np.testing.assert_array_equal(np.asarray(fa[key]), np.asarray(fb[key]), err_msg=key)
+
+
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory, shared_data) -> str:
+    """A real (tiny) ALBERT sentencepiece model trained on Jane Austen."""
+    with gzip.open(os.path.join(shared_data, "corpora", "austen.jsonl.gz"), "rt") as f:
+        docs = [json.loads(line)["text"] for line in itertools.islice(f, 3)]
+    lines = [line for doc in docs for line in doc.split("\n") if line.strip()]
+    prefix = str(tmp_path_factory.mktemp("spm") / "austen")
+    return train_tokenizer(lines, prefix, vocab_size=CONFIG.vocab_size, num_threads=1)
+
+
+def test_model_dir(tmp_path, spm_model):
+    params = random_params(CONFIG, seed=0)
+    save_model_dir(str(tmp_path), params, CONFIG, tokenizer_path=spm_model)
+    assert detect_layout(str(tmp_path)) == "model_dir"
+    loaded = load_pretrained(str(tmp_path))
+    assert loaded.source == "albert_jax" and loaded.step is None and loaded.initialized == ()
+    assert loaded.config == CONFIG
+    assert_same_tree(loaded.params, params)
+    assert isinstance(loaded.tokenizer, Tokenizer)
+    assert loaded.tokenizer.encode("it is a truth universally acknowledged")
+    assert loaded.tokenizer.vocab_size == CONFIG.vocab_size
+
+    # `.params` is the variables tree for `.model.apply`.
+    ids = np.array([[2, 17, 33, 58, 3, 0]], np.int32)
+    apply = jax.jit(loaded.model.apply)
+    out = apply(loaded.params, ids, np.zeros_like(ids), (ids > 0).astype(np.int32))
+    assert out["sop_logits"].shape == (1, 2) and np.isfinite(out["mlm_logits"]).all()
+
+    half = load_pretrained(str(tmp_path), dtype="bfloat16", param_dtype="bfloat16")
+    assert half.config.dtype == "bfloat16" and half.model.config.param_dtype == "bfloat16"
+    assert {str(v.dtype) for v in flatten_params(half.params).values()} == {"bfloat16"}
+    with pytest.raises(ValueError, match="ModelConfig.dtype"):
+        load_pretrained(str(tmp_path), dtype="float8")
+
+
+def test_model_dir_config_mismatch_lists_all(tmp_path):
+    save_model_dir(str(tmp_path), random_params(CONFIG, seed=1), CONFIG)
+    with open(tmp_path / "model_config.json") as f:
+        raw = json.load(f)
+    raw["intermediate_size"] = 48
+    with open(tmp_path / "model_config.json", "w") as f:
+        json.dump(raw, f)
+    with pytest.raises(ValueError) as err:
+        load_pretrained(str(tmp_path))
+    ffn = "albert/encoder/group_0/inner_group_0/ffn"
+    for name in ("intermediate/kernel", "intermediate/bias", "output/kernel"):
+        assert f"{ffn}/{name}: checkpoint" in str(err.value)
+
+
+def test_training_workdir_and_step_dir(tmp_path, spm_model):
+    """The training layout: CheckpointManager items params / opt_state / data / meta."""
+    config = CONFIG.replace(sharing="all")
+    mesh = jax.make_mesh((8,), ("data",))
+    workdir = tmp_path / "workdir"
+    saved = {}
+    with ocp.CheckpointManager(workdir / "checkpoints", item_names=TRAINING_ITEMS) as manager:
+        for step in (100, 200):
+            params = random_params(config, seed=step)
+            saved[step] = params
+            # As a training loop holds them: device arrays, the embedding table sharded 8-way.
+            on_device = jax.device_put(params)
+            table = params["params"]["albert"]["embeddings"]["word_embeddings"]
+            on_device["params"]["albert"]["embeddings"]["word_embeddings"] = jax.device_put(
+                table, NamedSharding(mesh, P("data", None))
+            )
+            # Both conventions for the params item: the variables tree or its inner dict.
+            item = on_device if step == 200 else on_device["params"]
+            manager.save(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardSave(item),
+                    opt_state=ocp.args.StandardSave({"count": np.int32(step)}),
+                    data=ocp.args.JsonSave({"next_index": step * 4}),
+                    meta=ocp.args.JsonSave(checkpoint_meta(config, step, seed=0)),
+                ),
+            )
+        manager.wait_until_finished()
+    shutil.copyfile(spm_model, workdir / "tokenizer.model")
+
+    assert detect_layout(str(workdir)) == "workdir"
+    latest = load_pretrained(str(workdir))
+    assert latest.step == 200 and latest.source == "albert_jax" and latest.config == config
+    assert_same_tree(latest.params, saved[200])
+    assert isinstance(latest.tokenizer, Tokenizer)
+
+    step_dir = workdir / "checkpoints" / "100"
+    assert detect_layout(str(step_dir)) == "step_dir"
+    first = load_pretrained(str(step_dir))
+    assert first.step == 100 and first.tokenizer_path == str(workdir / "tokenizer.model")
+    assert_same_tree(first.params, saved[100])
+
+    empty = tmp_path / "fresh_run"
+    (empty / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ValueError, match="no finished checkpoint"):
+        load_pretrained(str(empty))
+
+
+def test_hf_checkpoints_without_heads(tmp_path):
+    """HF `AlbertModel` (no MLM / SOP heads) and `AlbertForMaskedLM` (no pooler, no SOP head):
+    the backbone matches HF, the absent parts are initialized like our model and reported."""
+    import torch
+    import transformers
+
+    hf_config = transformers.AlbertConfig(
+        vocab_size=150,
+        embedding_size=16,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=40,
+        max_position_embeddings=32,
+        hidden_act="gelu_new",
+    )
+    ids = np.array([[2, 9, 18, 27, 3, 40, 41, 3], [2, 70, 71, 3, 80, 3, 0, 0]])
+    segments = np.array([[0, 0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 1, 1, 0, 0]])
+    mask = (ids > 0).astype(np.int64)
+    inputs = dict(
+        input_ids=torch.from_numpy(ids),
+        token_type_ids=torch.from_numpy(segments),
+        attention_mask=torch.from_numpy(mask),
+    )
+    apply = None
+    for cls, absent in (
+        (transformers.AlbertModel, ("predictions", "sop_classifier")),
+        (transformers.AlbertForMaskedLM, ("albert/pooler", "sop_classifier")),
+    ):
+        torch.manual_seed(0)
+        hf = cls(hf_config).eval()
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+            ref = hf(**inputs, output_hidden_states=True)
+        hf_dir = tmp_path / cls.__name__
+        hf.save_pretrained(hf_dir)
+        loaded = load_pretrained(str(hf_dir), seed=3)
+        assert loaded.source == "hf" and loaded.initialized == absent
+        apply = apply or jax.jit(loaded.model.apply)  # same config: compile once
+        out = apply(loaded.params, ids, segments, mask)
+        seq = np.asarray(out["sequence_output"])
+        assert np.abs(seq - ref.hidden_states[-1].numpy()).max() < 1e-4
+        if cls is transformers.AlbertModel:
+            assert np.abs(np.asarray(out["pooled_output"]) - ref.pooler_output.numpy()).max() < 1e-4
+        else:
+            assert np.abs(np.asarray(out["mlm_logits"]) - ref.logits.numpy()).max() < 1e-4
+        # Fresh parts follow the model's init: unit LN scale, zero biases, truncated normal.
+        sop = loaded.params["params"]["sop_classifier"]["classifier"]
+        assert not sop["bias"].any()
+        assert np.abs(sop["kernel"]).max() <= 2 * CONFIG.initializer_range
+        assert 0.5 < sop["kernel"].std() / CONFIG.initializer_range < 1.2
+        if "predictions" in absent:
+            assert (loaded.params["params"]["predictions"]["LayerNorm"]["scale"] == 1).all()
+
+
+def test_unknown_layout(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(ValueError) as err:
+        load_pretrained(str(tmp_path))
+    for looked_for in ("model_config.json", "checkpoints/", "config.json", "albert_config.json"):
+        assert looked_for in str(err.value)
+    assert "notes.txt" in str(err.value)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_pretrained(str(tmp_path / "missing"))
