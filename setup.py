@@ -20,9 +20,11 @@ setup(
         "optax>=0.2.5",
         "orbax-checkpoint>=0.12.8",
         "tensorflow-datasets>=4.9.9",
-        # TFDS builds datasets through tf.data / TFRecord writers; the CPU build is what TPU VMs use.
+        # TFDS builds datasets through tf.data; TPU VMs use the CPU build of TensorFlow.
         "tensorflow-cpu>=2.18",
         "sentencepiece>=0.2.0",
+        # Sentence splitting for pretraining examples; its model ships inside the wheel.
+        "blingfire>=0.1.8",
         "ml-collections>=1.1.0",
         "absl-py>=2.1.0",
         "numpy>=1.26",
@@ -40,7 +42,7 @@ setup(
             "matplotlib>=3.9",
         ],
         # HF interop: PyTorch CPU build (install torch==2.13.0 first to avoid CUDA wheels).
-        # transformers 4.x: v5 dropped load_tf_weights_in_albert and the Flax ALBERT peer.
+        # transformers 4.x: v5 dropped load_tf_weights_in_albert and Flax ALBERT (our peers).
         "hf": ["torch>=2.4", "transformers>=4.46,<5", "safetensors>=0.4"],
     },
 )
