@@ -25,6 +25,10 @@ setup(
         "sentencepiece>=0.2.0",
         # Sentence splitting for pretraining examples; its model ships inside the wheel.
         "blingfire>=0.1.8",
+        # Wiki markup -> text for local MediaWiki dumps.
+        "mwparserfromhell>=0.6",
+        # TFDS imports it to prepare builders defined inside a package but does not declare it.
+        "importlib_resources>=6.0",
         "ml-collections>=1.1.0",
         "absl-py>=2.1.0",
         "numpy>=1.26",

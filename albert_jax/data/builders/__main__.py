@@ -1,0 +1,41 @@
+"""Prepares document sources ahead of training and prints what was built, as JSON lines.
+
+    python -m albert_jax.data.builders --sources="books=/data/books;/more/books" \\
+        --data_dir=gs://my-bucket/tfds
+
+Run it once before a multi-host job, so that hosts only read. One JSON object per source
+(see `albert_jax.data.sources.prepare_sources`); catalog datasets are reported with
+`"prepared": true|false` and never downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import app, flags
+
+from albert_jax.data.sources import prepare_sources
+
+_SOURCES = flags.DEFINE_string(
+    "sources", None, "Mixture spec, e.g. 'demo' or 'books=/data/books/*.txt:1,demo:1'."
+)
+_DATA_DIR = flags.DEFINE_string(
+    "data_dir", None, "TFDS data dir (default: $TFDS_DATA_DIR, else ~/tensorflow_datasets)."
+)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    try:
+        reports = prepare_sources(_SOURCES.value, data_dir=_DATA_DIR.value)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    for report in reports:
+        print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("sources")
+    app.run(main)

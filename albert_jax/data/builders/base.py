@@ -1,0 +1,282 @@
+"""What all our document builders share: config, features, splits, counters, reading.
+
+Every builder turns local files into `{"title": str, "text": str}` documents (paragraphs or
+sentences separated by "\\n") with two splits:
+
+- `validation`: the documents whose title hashes below `validation_fraction` (SHA-256 of the
+  title). The held-out set is decided per document, so it does not move when files are added
+  or reordered, and a builder can skip the expensive cleaning of documents of the other split.
+  A corpus so small that no title falls below the fraction holds out the one document with
+  the smallest title hash instead (recorded as `validation_fallback_title` in the metadata).
+- `train`: all the other documents.
+
+TFDS runs one pass over the inputs per split. Counters (what was skipped or repaired) are
+kept per split and stored in the dataset's `metadata.json`; `counters(builder)` reads them.
+Counters about documents (written, empty, decode errors) are counted in the pass of the
+document's split; counters about inputs (files, pages, broken JSON lines, redirects...) are
+counted once, in the `train` pass. So summing over splits never counts anything twice.
+
+Records are written in TFDS's deterministic order (a hash of the example key) as ArrayRecord
+by default, for random access through `tfds.data_source`; `as_dataset` works too (through a
+generator over the same random-access source), and `file_format="tfrecord"` is accepted.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import hashlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_datasets as tfds
+from absl import logging
+
+from albert_jax.data.builders.text_files import resolve_files
+
+TRAIN = "train"
+VALIDATION = "validation"
+VERSION = tfds.core.Version("1.0.0")
+_READ_CHUNK = 256  # records fetched per random-access call when streaming
+
+
+@dataclasses.dataclass
+class LocalTextConfig(tfds.core.BuilderConfig):
+    """Inputs of one prepared dataset; its `name` names the folder under the builder's.
+
+    Attributes:
+      files: file paths, globs or directories (local or gs://); see `resolve_files`.
+      validation_fraction: share of documents (by title hash) held out as `validation`;
+        0 builds `train` only.
+    """
+
+    files: tuple[str, ...] = ()
+    validation_fraction: float = 0.01
+
+    def __post_init__(self):
+        if isinstance(self.files, str):
+            self.files = (self.files,)
+        self.files = tuple(str(f) for f in self.files)
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise ValueError(
+                f"validation_fraction must be in [0, 1), got {self.validation_fraction}"
+            )
+
+
+def _title_hash(title: str) -> int:
+    return int.from_bytes(hashlib.sha256(title.encode("utf-8")).digest()[:8], "big")
+
+
+def in_validation(title: str, fraction: float) -> bool:
+    """True for the held-out documents: those whose title hashes into the first `fraction`."""
+    return _title_hash(title) < fraction * 2.0**64
+
+
+class _SplitSelector:
+    """`selector(title)` says whether a document belongs to `split`; sees every title."""
+
+    def __init__(self, split: str, fraction: float, extra_validation_title: str | None):
+        self.split = split
+        self.fraction = fraction
+        self.extra_validation_title = extra_validation_title
+        self.smallest: tuple[int, str] | None = None  # (hash, title) of all titles seen
+        self.selected = 0  # titles that belonged to the split
+
+    def __call__(self, title: str) -> bool:
+        key = (_title_hash(title), title)
+        if self.smallest is None or key < self.smallest:
+            self.smallest = key
+        held_out = in_validation(title, self.fraction) or title == self.extra_validation_title
+        selected = held_out == (self.split == VALIDATION)
+        self.selected += selected
+        return selected
+
+
+def hide_gpus_from_tensorflow() -> None:
+    """Keeps TensorFlow (used here only to read and write files) off the accelerators JAX uses."""
+    # RuntimeError: TF's devices are already initialized (hidden earlier, or in use): too late.
+    with contextlib.suppress(RuntimeError):
+        tf.config.set_visible_devices([], "GPU")
+
+
+class Tally:
+    """Counters of one split's pass; input counters only count in the `train` pass."""
+
+    def __init__(self, split: str):
+        self.split = split
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def document(self, name: str, n: int = 1) -> None:
+        """Counts an event of a document that belongs to this pass's split."""
+        self.counts[name] += n
+
+    def input(self, name: str, n: int = 1) -> None:
+        """Counts an event of the inputs (not tied to one split's documents), once."""
+        if self.split == TRAIN:
+            self.counts[name] += n
+
+
+class LocalTextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    """Base of the builders of local text; subclasses implement `_read_documents`.
+
+    Not registered in the TFDS catalog (names such as "books" could collide with future catalog
+    datasets); construct the classes directly or go through `albert_jax.data.sources`.
+    """
+
+    VERSION = VERSION
+    RELEASE_NOTES = {"1.0.0": "First release."}
+    # Names of files a directory pattern contributes.
+    FILE_SUFFIXES: tuple[str, ...] = ()
+    DESCRIPTION = ""
+
+    def __init__(self, *, file_format: str | None = None, **kwargs: Any):
+        hide_gpus_from_tensorflow()
+        super().__init__(file_format=file_format, **kwargs)
+        # New datasets default to ArrayRecord (random access through `tfds.data_source`);
+        # a prepared dataset keeps the format it was written in.
+        if file_format is None and not self.is_prepared():
+            self.info.set_file_format("array_record", override=True)
+
+    @property
+    def config(self) -> LocalTextConfig:
+        return self.builder_config  # type: ignore[return-value]
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description=self.DESCRIPTION,
+            features=tfds.features.FeaturesDict(
+                {"title": tfds.features.Text(), "text": tfds.features.Text()}
+            ),
+            metadata=tfds.core.MetadataDict(),
+        )
+
+    def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict[str, Any]:
+        del dl_manager  # inputs are local files
+        if self.builder_config is None:
+            raise ValueError(f"{self.name}: a config with `files` is required")
+        files = resolve_files(self.config.files, self.FILE_SUFFIXES)
+        self.info.metadata.update(
+            {
+                "files": files,
+                "config": self._config_record(),
+                "counters": {},
+            }
+        )
+        # TFDS generates splits one after the other in this order: `validation` first, so
+        # that `train` knows the fallback document a tiny corpus holds out.
+        self._extra_validation_title: str | None = None
+        splits = {}
+        if self.config.validation_fraction > 0:
+            splits[VALIDATION] = self._generate_examples(files=files, split=VALIDATION)
+        splits[TRAIN] = self._generate_examples(files=files, split=TRAIN)
+        return splits
+
+    def _config_record(self) -> dict[str, Any]:
+        """The config fields that decide the content (stored to detect stale datasets)."""
+        skip = {f.name for f in dataclasses.fields(tfds.core.BuilderConfig)} | {"files"}
+        return {
+            f.name: getattr(self.config, f.name)
+            for f in dataclasses.fields(self.config)
+            if f.name not in skip
+        }
+
+    def _documents(self, files: list[str], wants: Callable[[str], bool], tally: Tally):
+        for key, title, text in self._read_documents(files, wants, tally):
+            text = text.strip()
+            if not text:
+                tally.document("empty_documents")
+                continue
+            tally.document("documents")
+            yield key, {"title": title, "text": text}
+
+    def _generate_examples(self, files: list[str], split: str):
+        """Yields (key, {"title", "text"}) for the documents of `split`; records counters."""
+        tally = Tally(split)
+        selector = _SplitSelector(
+            split, self.config.validation_fraction, self._extra_validation_title
+        )
+        yield from self._documents(files, selector, tally)
+        if split == VALIDATION and not selector.selected and selector.smallest:
+            # No title hashed below the fraction: hold out the smallest-hash document(s).
+            title = selector.smallest[1]
+            self._extra_validation_title = title
+            self.info.metadata["validation_fallback_title"] = title
+            yield from self._documents(files, lambda t: t == title, tally)
+        written = tally.counts["documents"]
+        tally.counts.setdefault("documents", 0)
+        if split == TRAIN:
+            tally.input("files", len(files))
+        counts = dict(sorted(tally.counts.items()))
+        self.info.metadata["counters"][split] = counts
+        logging.info("%s/%s %s: %s", self.name, self.config.name, split, counts)
+        if written == 0:
+            raise ValueError(
+                f"{self.name}/{self.config.name}: split {split!r} would be empty "
+                f"(counters: {counts}). Add input documents, or set validation_fraction=0 "
+                "to build `train` only."
+            )
+
+    def _read_documents(
+        self, files: list[str], wants: Callable[[str], bool], tally: Tally
+    ) -> Iterator[tuple[str, str, str]]:
+        """Yields (unique key, title, raw text) of the documents `wants(title)` accepts.
+
+        Implementations count skipped or repaired inputs with `tally.input` and events of the
+        yielded documents (e.g. "decode_errors") with `tally.document`; the base class strips
+        the text and counts written and empty documents.
+        """
+        raise NotImplementedError
+
+    def _as_dataset(
+        self,
+        split: Any,
+        decoders: Any = None,
+        read_config: tfds.ReadConfig | None = None,
+        shuffle_files: bool = False,
+    ) -> tf.data.Dataset:
+        """tf.data over ArrayRecord files (TFDS itself only reads them via `as_data_source`)."""
+        if self.info.file_format != tfds.core.FileFormat.ARRAY_RECORD:
+            return super()._as_dataset(split, decoders, read_config, shuffle_files)
+        if decoders:
+            raise ValueError("decoders: not supported for text features; pass None")
+        source = self.as_data_source(split)
+        order = np.arange(len(source))
+        if shuffle_files:  # no files to shuffle here: shuffle the record order instead
+            seed = read_config.shuffle_seed if read_config and read_config.shuffle_seed else 0
+            order = np.random.default_rng(seed).permutation(order)
+
+        def records() -> Iterator[dict[str, bytes]]:
+            for start in range(0, len(order), _READ_CHUNK):
+                for record in source.__getitems__(order[start : start + _READ_CHUNK].tolist()):
+                    yield {"title": record["title"], "text": record["text"]}
+
+        spec = tf.TensorSpec(shape=(), dtype=tf.string)
+        return tf.data.Dataset.from_generator(
+            records, output_signature={"title": spec, "text": spec}
+        )
+
+
+def counters(builder: tfds.core.DatasetBuilder, split: str | None = None) -> dict[str, int]:
+    """Build counters of a prepared builder (ours, or read back with `builder_from_directory`).
+
+    Args:
+      builder: a prepared dataset builder.
+      split: one split's counters, or None for the sum over splits (every event once).
+
+    Returns:
+      e.g. {"documents": 233, "empty_documents": 1, "bad_json_lines": 2, "files": 3}.
+    """
+    metadata = builder.info.metadata or {}
+    per_split: dict[str, dict[str, int]] = dict(metadata.get("counters", {}))
+    if split is not None:
+        if split not in per_split:
+            raise ValueError(f"split: no counters for {split!r}; have {sorted(per_split)}")
+        return dict(per_split[split])
+    total: collections.Counter[str] = collections.Counter()
+    for counts in per_split.values():
+        total.update(counts)
+    return dict(sorted(total.items()))

@@ -1,0 +1,449 @@
+"""Document sources for pretraining: names -> TFDS datasets of `{"title", "text"}` documents.
+
+A *source* is a named TFDS dataset with a mixture weight. Names:
+
+| name | dataset | inputs |
+|---|---|---|
+| `demo` | the corpus shipped in albert_jax/data/demo (builder `albert_demo`) | none |
+| `documents[/CONFIG]` | our `documents` builder: JSONL, or one document per text file | files |
+| `raw_text[/CONFIG]` | `documents`, official BERT/ALBERT raw-text format (note 1) | files |
+| `books[/CONFIG]` | our `books` builder: one document per book `.txt` | files |
+| `wikipedia_dump[/CONFIG]` | our `wikipedia_dump` builder: MediaWiki XML dumps | files |
+| other, e.g. `wikipedia/20230601.en` | the TFDS catalog dataset, used as is (note 2) | none |
+
+Notes: (1) one sentence per line, a blank line between documents; (2) never downloaded here.
+
+CONFIG names the prepared dataset (its folder `<data_dir>/<builder>/<CONFIG>/1.0.0`); it
+defaults to `default` (`raw_text` for `raw_text`). A prepared local dataset remembers the
+files it was built from: asking for the same name with other files raises a ValueError
+instead of silently reading stale data.
+
+Mixture specs (`parse_sources`): comma-separated `NAME[=FILES][:WEIGHT]`, FILES being
+`;`-separated paths, globs or directories, e.g.
+
+    "demo"
+    "wikipedia/20230601.en:0.5,books:0.5"
+    "books=/data/bookcorpus/*.txt:1,wikipedia_dump=/data/enwiki-latest-pages-articles.xml.bz2:3"
+
+and presets: `wiki_books`, the paper's pretraining data (ALBERT §4.1 and BERT §3.1: English
+Wikipedia + BookCorpus). Its weights are proportional to the corpus sizes BERT reports
+(Wikipedia 2,500M words, BookCorpus 800M words), i.e. 0.758 / 0.242: the authors trained on
+the two corpora concatenated, so each one's share of the training sequences was its share of
+the words; drawing each example's source with these weights (as the pipeline does)
+reproduces that. Wikipedia is the catalog's `wikipedia/20230601.en`; BookCorpus is not in the
+catalog, so `books` must be built from your files first (`build_source(Source("books"),
+files=...)`, or the spec `books=/path/*.txt` alongside).
+
+The data dir is the `data_dir` argument, else `$TFDS_DATA_DIR` (read at call time), else
+TFDS's default `~/tensorflow_datasets`. With several hosts, build once (e.g. process 0, or
+`python -m albert_jax.data.builders`) before the others read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import math
+import os
+import re
+from collections.abc import Iterator, Sequence
+
+import tensorflow_datasets as tfds
+from absl import logging
+
+from albert_jax.data.builders.base import LocalTextBuilder, counters, hide_gpus_from_tensorflow
+from albert_jax.data.builders.books import Books, BooksConfig
+from albert_jax.data.builders.demo import Demo
+from albert_jax.data.builders.documents import Documents, DocumentsConfig
+from albert_jax.data.builders.text_files import resolve_files
+from albert_jax.data.builders.wikipedia_dump import WikipediaDump, WikipediaDumpConfig
+
+CATALOG_WIKIPEDIA = "wikipedia/20230601.en"
+# BERT §3.1: "BooksCorpus (800M words) and English Wikipedia (2,500M words)".
+PRESETS: dict[str, tuple[tuple[str, float], ...]] = {
+    "wiki_books": ((CATALOG_WIKIPEDIA, 2500.0), ("books", 800.0)),
+}
+DEFAULT_CONFIG = "default"
+_READ_CHUNK = 256  # documents fetched per random-access call
+
+
+@dataclasses.dataclass(frozen=True)
+class _Local:
+    """How one of our source names maps to a builder."""
+
+    builder: type[LocalTextBuilder]
+    config_cls: type | None  # None: the builder has its own fixed config (demo)
+    default_config: str
+    config_fields: tuple[tuple[str, str], ...] = ()
+
+
+_LOCAL: dict[str, _Local] = {
+    "demo": _Local(Demo, None, DEFAULT_CONFIG),
+    "documents": _Local(Documents, DocumentsConfig, DEFAULT_CONFIG),
+    "raw_text": _Local(
+        Documents, DocumentsConfig, "raw_text", (("text_format", "sentence_per_line"),)
+    ),
+    "books": _Local(Books, BooksConfig, DEFAULT_CONFIG),
+    "wikipedia_dump": _Local(WikipediaDump, WikipediaDumpConfig, DEFAULT_CONFIG),
+}
+LOCAL_SOURCES = tuple(_LOCAL)
+
+_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+_CONFIG_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One document source of a pretraining mixture.
+
+    Attributes:
+      name: `demo`, `documents[/CONFIG]`, `raw_text[/CONFIG]`, `books[/CONFIG]`,
+        `wikipedia_dump[/CONFIG]`, or a TFDS catalog name such as `wikipedia/20230601.en`.
+      weight: sampling weight (> 0); `parse_sources` normalizes a mixture's weights to sum 1.
+      files: input paths / globs / directories for our builders (used when the dataset is not
+        prepared yet); empty for `demo` and catalog datasets.
+    """
+
+    name: str
+    weight: float = 1.0
+    files: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if isinstance(self.files, str):
+            object.__setattr__(self, "files", (self.files,))
+        else:
+            object.__setattr__(self, "files", tuple(os.fspath(f) for f in self.files))
+        if not self.name or self.name != self.name.strip():
+            raise ValueError(f"name: must be a non-empty name without spaces, got {self.name!r}")
+        if not (math.isfinite(self.weight) and self.weight > 0):
+            raise ValueError(
+                f"weight of {self.name!r} must be a finite number > 0, got {self.weight}"
+            )
+
+    @property
+    def is_local(self) -> bool:
+        """True for our builders (built from local files), False for TFDS catalog datasets."""
+        return self.name.split("/", 1)[0] in _LOCAL
+
+
+def _split_local_name(name: str) -> tuple[_Local, str]:
+    base, _, config = name.partition("/")
+    local = _LOCAL[base]
+    if not config:
+        return local, local.default_config
+    if local.config_cls is None:
+        raise ValueError(f"source {name!r}: {base!r} has no configs; use {base!r}")
+    if not _CONFIG_NAME.fullmatch(config):
+        raise ValueError(
+            f"source {name!r}: config name {config!r} may only use letters, digits, '_', '.', '-'"
+        )
+    return local, config
+
+
+def _check_catalog_name(name: str) -> None:
+    """Raises ValueError unless `name` is a TFDS catalog dataset (and config) name."""
+    dataset, _, config = name.partition(":")[0].partition("/")
+    try:
+        builder_cls = tfds.builder_cls(dataset)
+    except tfds.core.registered.DatasetNotFoundError:
+        raise ValueError(
+            f"unknown source {name!r}: not one of ours {sorted(_LOCAL)}, a preset "
+            f"{sorted(PRESETS)}, or a TFDS catalog dataset. Write NAME[=FILES][:WEIGHT]."
+        ) from None
+    configs = {c.name for c in builder_cls.BUILDER_CONFIGS or ()}
+    if config and configs and config not in configs:
+        raise ValueError(f"unknown source {name!r}: TFDS {dataset!r} has no config {config!r}")
+
+
+def _parse_item(item: str) -> list[Source]:
+    head, colon, tail = item.rpartition(":")
+    weight = 1.0
+    if colon and _NUMBER.fullmatch(tail.strip()):
+        item, weight = head, float(tail)
+    if weight <= 0:
+        raise ValueError(f"sources: weight of {item!r} must be > 0, got {weight:g}")
+    name, equals, file_list = (part.strip() for part in item.partition("="))
+    files = tuple(f.strip() for f in file_list.split(";") if f.strip())
+    if not name:
+        raise ValueError(f"sources: {item!r} has no source name")
+    if equals and not files:
+        raise ValueError(f"sources: {name!r} has '=' but no files after it")
+    if name in PRESETS:
+        if files:
+            raise ValueError(f"sources: preset {name!r} takes no files; list its parts instead")
+        # The preset's parts share its weight in their own proportions.
+        preset_total = math.fsum(w for _, w in PRESETS[name])
+        return [Source(part, weight * w / preset_total) for part, w in PRESETS[name]]
+    if name.split("/", 1)[0] in _LOCAL:
+        local, _ = _split_local_name(name)
+        if files and local.config_cls is None:
+            raise ValueError(f"sources: {name!r} takes no files")
+    else:
+        _check_catalog_name(name)
+        if files:
+            raise ValueError(
+                f"sources: catalog dataset {name!r} takes no files; for local files use "
+                f"one of {sorted(n for n in _LOCAL if n != 'demo')}"
+            )
+    return [Source(name, weight, files)]
+
+
+def parse_sources(spec: str) -> list[Source]:
+    """Parses a mixture spec into sources whose weights sum to 1.
+
+    Args:
+      spec: comma-separated `NAME[=FILES][:WEIGHT]` items (see the module docstring), e.g.
+        `"wikipedia/20230601.en:0.5,books:0.5"`, `"demo"`, `"wiki_books"`.
+
+    Raises:
+      ValueError: empty spec or item, unknown name, weight <= 0 or not finite, files given
+        to a source that takes none, or the same source twice.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"sources: empty spec {spec!r}; e.g. 'demo' or 'wiki_books'")
+    sources: list[Source] = []
+    for item in spec.split(","):
+        if not item.strip():
+            raise ValueError(f"sources: empty item in {spec!r} (stray comma?)")
+        sources.extend(_parse_item(item.strip()))
+    names = [s.name for s in sources]
+    if duplicates := sorted({n for n in names if names.count(n) > 1}):
+        raise ValueError(f"sources: {duplicates} listed more than once in {spec!r}")
+    total = math.fsum(s.weight for s in sources)
+    if not math.isfinite(total):
+        raise ValueError(f"sources: weights in {spec!r} are too large")
+    return [dataclasses.replace(s, weight=s.weight / total) for s in sources]
+
+
+def _as_source(source: Source | str) -> Source:
+    if isinstance(source, Source):
+        return source
+    parsed = parse_sources(source)
+    if len(parsed) != 1:
+        raise ValueError(f"source: {source!r} names {len(parsed)} sources; pass exactly one")
+    return dataclasses.replace(parsed[0], weight=1.0)
+
+
+def _resolve_data_dir(data_dir: str | os.PathLike | None) -> str | None:
+    # TFDS reads $TFDS_DATA_DIR once, at import; reading it here honours later changes.
+    if data_dir is not None:
+        return os.fspath(data_dir)
+    return os.environ.get("TFDS_DATA_DIR") or None
+
+
+def _local_builder(
+    source: Source, data_dir: str | None, files: tuple[str, ...]
+) -> LocalTextBuilder:
+    local, config_name = _split_local_name(source.name)
+    if local.config_cls is None:
+        return local.builder(data_dir=data_dir)
+    config = local.config_cls(name=config_name, files=files, **dict(local.config_fields))
+    return local.builder(config=config, data_dir=data_dir)
+
+
+def _check_same_inputs(builder: LocalTextBuilder, files: tuple[str, ...]) -> None:
+    """Refuses to reuse a prepared dataset that was built from other inputs."""
+    metadata = builder.info.metadata or {}
+    where = f"{builder.name}/{builder.config.name} at {builder.data_dir}"
+    recorded_config = metadata.get("config")
+    if recorded_config is not None and recorded_config != builder._config_record():
+        raise ValueError(
+            f"source: {where} was built with {recorded_config}, not "
+            f"{builder._config_record()}; pick another config name (e.g. 'documents/mine')."
+        )
+    if files and metadata.get("files") != resolve_files(files, builder.FILE_SUFFIXES):
+        raise ValueError(
+            f"files: {where} was built from other files ({len(metadata.get('files', []))} "
+            "files); pick another config name (e.g. 'books/mine') or delete that folder."
+        )
+
+
+def build_source(
+    source: Source | str,
+    *,
+    data_dir: str | os.PathLike | None = None,
+    files: str | Sequence[str] | None = None,
+) -> tfds.core.DatasetBuilder:
+    """Returns the dataset builder of `source`, preparing our local datasets if needed.
+
+    Args:
+      source: a `Source` (or a one-source spec such as `"books/austen"`).
+      data_dir: TFDS data dir; None: `$TFDS_DATA_DIR`, else `~/tensorflow_datasets`.
+      files: inputs of our builders (paths, globs, directories); overrides `source.files`.
+        Not needed once the dataset is prepared; if given, they must be the files it was
+        built from.
+
+    Returns:
+      A `tfds.core.DatasetBuilder`. Our datasets are prepared (ArrayRecord); catalog datasets
+      (`wikipedia/20230601.en`) are returned as `tfds.builder(name, data_dir=...)` gives them,
+      prepared or not: this function never downloads.
+
+    Raises:
+      ValueError: unknown name, files for a source that takes none, no files for an unprepared
+        local dataset, or a prepared dataset built from other files.
+    """
+    source = _as_source(source)
+    data_dir = _resolve_data_dir(data_dir)
+    hide_gpus_from_tensorflow()
+    if not source.is_local:
+        if files:
+            raise ValueError(f"files: catalog dataset {source.name!r} takes no files")
+        _check_catalog_name(source.name)
+        return tfds.builder(source.name, data_dir=data_dir)
+    file_tuple = (files,) if isinstance(files, str) else tuple(files or source.files)
+    builder = _local_builder(source, data_dir, file_tuple)
+    if builder.is_prepared():
+        _check_same_inputs(builder, file_tuple if files or source.files else ())
+        return builder
+    if not builder.config.files:
+        raise ValueError(
+            f"files: {source.name!r} is not prepared in {builder.data_dir} and has no input "
+            f"files; pass build_source(..., files=...) or the spec '{source.name}=/path/...'"
+        )
+    with _build_lock(builder):
+        # Another process may have built it while we waited: look at the disk again.
+        builder = _local_builder(source, data_dir, file_tuple)
+        if builder.is_prepared():
+            return builder
+        builder.download_and_prepare()
+    logging.info("built %s at %s: %s", source.name, builder.data_dir, counters(builder))
+    return builder
+
+
+@contextlib.contextmanager
+def _build_lock(builder: LocalTextBuilder) -> Iterator[None]:
+    """Serializes builds of one dataset by processes of one machine (local data dirs).
+
+    Processes that start together (one per device on a host) would otherwise all generate the
+    same dataset; with the lock, one builds and the others then read. Remote data dirs
+    (gs://) have no such lock: prepare them beforehand (`prepare_sources`).
+    """
+    config_dir = os.path.dirname(os.fspath(builder.data_dir))  # <root>/<name>/<config>
+    if "://" in config_dir:
+        yield
+        return
+    os.makedirs(os.path.dirname(config_dir), exist_ok=True)
+    lock_path = os.path.join(os.path.dirname(config_dir), f".{os.path.basename(config_dir)}.lock")
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _prepared_builder(source: Source, data_dir: str | None) -> tfds.core.DatasetBuilder:
+    builder = build_source(source, data_dir=data_dir)
+    if not builder.is_prepared():  # only catalog datasets get here unprepared
+        raise ValueError(
+            f"source {source.name!r} is not prepared in {builder.data_dir}: build it with "
+            f"`tfds build {source.name} --data_dir=...`, or point data_dir at a prepared copy "
+            "(e.g. gs://tfds-data/datasets)"
+        )
+    return builder
+
+
+def num_documents(
+    source: Source | str, split: str = "train", data_dir: str | os.PathLike | None = None
+) -> int:
+    """Number of documents in `split` of `source` (prepares our datasets if needed)."""
+    builder = _prepared_builder(_as_source(source), _resolve_data_dir(data_dir))
+    if split not in builder.info.splits:
+        raise ValueError(f"split: {split!r} not in {sorted(builder.info.splits)}")
+    return builder.info.splits[split].num_examples
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+def iter_documents(
+    source: Source | str,
+    *,
+    split: str = "train",
+    data_dir: str | os.PathLike | None = None,
+    shard_index: int = 0,
+    shard_count: int = 1,
+    start: int = 0,
+) -> Iterator[dict[str, str]]:
+    """Streams `{"title": str, "text": str}` documents of one shard of a split, in order.
+
+    The order is the dataset's record order, the same on every run and for both file formats
+    (ArrayRecord is read through `tfds.data_source`, TFRecord through `as_dataset` with one
+    file at a time). `tfds.even_splits` cuts the split into `shard_count` contiguous,
+    disjoint shards that together cover every document (sizes differ by at most one).
+
+    Args:
+      source: a `Source` or a one-source spec.
+      split: `train`, `validation`, or any TFDS split string (`train[:1000]`).
+      data_dir: TFDS data dir (None: `$TFDS_DATA_DIR`, else TFDS's default).
+      shard_index: this reader's shard, usually `jax.process_index()`.
+      shard_count: number of shards, usually `jax.process_count()`.
+      start: documents of the shard to skip (resuming a pass); random access for ArrayRecord.
+
+    Returns:
+      An iterator of dicts with the `title` and `text` of one document, as Python `str`. The
+      arguments are checked (and our datasets prepared) when called, not when iterated.
+    """
+    if not 0 <= shard_index < shard_count:
+        raise ValueError(
+            f"shard_index must be in [0, shard_count={shard_count}), got {shard_index}"
+        )
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    builder = _prepared_builder(_as_source(source), _resolve_data_dir(data_dir))
+    base_split = re.split(r"[\[+]", split, maxsplit=1)[0]
+    if base_split not in builder.info.splits:
+        raise ValueError(f"split: {base_split!r} not in {sorted(builder.info.splits)}")
+    shard = tfds.even_splits(split, n=shard_count)[shard_index]
+    # Everything above runs at call time (errors surface here); reading starts on iteration.
+    return _read_shard(builder, shard, start)
+
+
+def _read_shard(
+    builder: tfds.core.DatasetBuilder, shard: str, start: int
+) -> Iterator[dict[str, str]]:
+    formats = {builder.info.file_format, *builder.info.alternative_file_formats}
+    if tfds.core.FileFormat.ARRAY_RECORD in formats:
+        records = builder.as_data_source(shard, file_format="array_record")
+        for first in range(start, len(records), _READ_CHUNK):
+            chunk = range(first, min(first + _READ_CHUNK, len(records)))
+            for record in records.__getitems__(list(chunk)):
+                yield {"title": _text(record["title"]), "text": _text(record["text"])}
+        return
+    read_config = tfds.ReadConfig(interleave_cycle_length=1)  # files in order: stable order
+    dataset = builder.as_dataset(split=shard, shuffle_files=False, read_config=read_config)
+    for record in tfds.as_numpy(dataset.skip(start)):
+        yield {"title": _text(record["title"]), "text": _text(record["text"])}
+
+
+def prepare_sources(
+    spec: str | Sequence[Source], *, data_dir: str | os.PathLike | None = None
+) -> list[dict[str, object]]:
+    """Builds the local sources of a mixture (run once, on one process) and reports on each.
+
+    Args:
+      spec: a mixture spec (see `parse_sources`) or parsed sources.
+      data_dir: TFDS data dir (None: `$TFDS_DATA_DIR`, else TFDS's default).
+
+    Returns:
+      One dict per source: `source`, `weight`, `data_dir`, `prepared`, and once prepared
+      `splits` ({split: documents}); for our builders also `counters` (see `counters`).
+    """
+    mixture = parse_sources(spec) if isinstance(spec, str) else list(spec)
+    reports: list[dict[str, object]] = []
+    for source in mixture:
+        builder = build_source(source, data_dir=data_dir)
+        report: dict[str, object] = {
+            "source": source.name,
+            "weight": source.weight,
+            "data_dir": os.fspath(builder.data_dir),
+            "prepared": builder.is_prepared(),
+        }
+        if builder.is_prepared():
+            report["splits"] = {k: v.num_examples for k, v in builder.info.splits.items()}
+        if source.is_local:
+            report["counters"] = counters(builder)
+        reports.append(report)
+    return reports

@@ -1,0 +1,315 @@
+"""Batch pipeline: contract, determinism, resumption, processes, mixture, eval, counters."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import ml_collections
+import numpy as np
+import pytest
+
+from albert_jax.data import pipeline, pretraining, sentences
+from albert_jax.data.pipeline import DataConfig, DocumentSource, PretrainingIterator
+from albert_jax.data.tokenizer import Tokenizer, train_tokenizer
+
+KEYS_INT = ("input_ids", "segment_ids", "input_mask", "masked_lm_positions", "masked_lm_ids")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory, shared_data) -> Tokenizer:
+    """The session's real unigram model (same file as in test_tokenizer: trained once)."""
+    path = tmp_path_factory.getbasetemp() / "albert_spm" / "spm"
+    if not os.path.exists(str(path) + ".model"):
+        texts = []
+        for name in ("brown", "austen"):
+            docs = pretraining.iter_jsonl_documents(
+                os.path.join(shared_data, "corpora", f"{name}.jsonl.gz")
+            )
+            for doc in itertools.islice(docs, 60):
+                texts.extend(sentences.split_sentences(doc["text"]))
+        train_tokenizer(texts, str(path), vocab_size=3000, max_sentences=15000)
+    return Tokenizer(str(path) + ".model")
+
+
+def jsonl_source(shared_data: str, name: str, num_docs: int, weight: float = 1.0):
+    """The first `num_docs` documents of a corpus; every 10th is `validation`; shards are
+    interleaved (document j belongs to shard j % shard_count)."""
+    path = os.path.join(shared_data, "corpora", f"{name}.jsonl.gz")
+
+    def documents(split: str, shard_index: int, shard_count: int):
+        docs = pretraining.iter_jsonl_documents(path)
+        for j, doc in enumerate(itertools.islice(docs, num_docs)):
+            if (j % 10 == 0) == (split == "validation") and j % shard_count == shard_index:
+                yield doc
+
+    return DocumentSource(f"{name}-{num_docs}", weight, documents)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("albert_cache"))
+
+
+@pytest.fixture(scope="module")
+def sources(shared_data):
+    # Small on purpose: epochs are short, so a few steps cross epoch boundaries.
+    return [jsonl_source(shared_data, "austen", 12, 3.0), jsonl_source(shared_data, "brown", 8)]
+
+
+def make(cfg_kwargs, tokenizer, sources, cache_dir, **kwargs) -> PretrainingIterator:
+    base = dict(seq_len=128, max_predictions_per_seq=20, batch_size=16, seed=7)
+    cfg = DataConfig(**{**base, **cfg_kwargs, "cache_dir": cache_dir})
+    return PretrainingIterator(cfg, tokenizer, sources, **kwargs)
+
+
+def take(it, n):
+    return [next(it) for _ in range(n)]
+
+
+def assert_same(batches_a, batches_b):
+    assert len(batches_a) == len(batches_b)
+    for a, b in zip(batches_a, batches_b, strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), k
+
+
+def test_batch_contract(tokenizer, sources, cache_dir):
+    batch = next(make({}, tokenizer, sources, cache_dir))
+    B, S, P = 16, 128, 20
+    for k in KEYS_INT:
+        assert batch[k].dtype == np.int32
+    assert batch["masked_lm_weights"].dtype == np.float32
+    assert batch["sentence_order_label"].dtype == np.int32
+    for k in ("input_ids", "segment_ids", "input_mask"):
+        assert batch[k].shape == (B, S)
+    for k in ("masked_lm_positions", "masked_lm_ids", "masked_lm_weights"):
+        assert batch[k].shape == (B, P)
+    assert batch["sentence_order_label"].shape == (B,)
+    mask = batch["input_mask"].astype(bool)
+    assert np.all(batch["input_ids"][:, 0] == tokenizer.cls_id)
+    assert not batch["input_ids"][~mask].any() and not batch["segment_ids"][~mask].any()
+    assert np.all(mask[:, :-1] >= mask[:, 1:])  # real tokens first
+    assert set(np.unique(batch["sentence_order_label"])) <= {0, 1}
+    real = batch["masked_lm_weights"] > 0
+    rows = np.nonzero(real)[0]
+    assert mask[rows, batch["masked_lm_positions"][real]].all()
+
+
+def test_same_seed_same_batches(tokenizer, sources, cache_dir):
+    a = take(make({}, tokenizer, sources, cache_dir), 3)
+    b = take(make({}, tokenizer, sources, cache_dir), 3)
+    assert_same(a, b)
+    c = next(make({"seed": 8}, tokenizer, sources, cache_dir))
+    assert not np.array_equal(a[0]["input_ids"], c["input_ids"])
+
+
+def test_resume_equals_uninterrupted_run(tokenizer, sources, cache_dir):
+    it = make({}, tokenizer, sources, cache_dir)
+    first = take(it, 5)
+    state = json.loads(json.dumps(it.get_state()))  # goes through a checkpoint as JSON
+    assert state["step"] == 5
+    rest = take(it, 25)
+    assert max(it.get_state()["epoch"]) >= 1, "the run should cross an epoch boundary"
+
+    restored = make({}, tokenizer, sources, cache_dir)
+    restored.set_state(state)
+    assert_same(take(restored, 25), rest)
+
+    by_step = make({}, tokenizer, sources, cache_dir, start_step=5)
+    assert by_step.get_state() == state  # counted from scratch: same cursors
+    assert_same(take(by_step, 25), rest)
+    assert first[0]["input_ids"].tobytes() != rest[0]["input_ids"].tobytes()
+
+
+def test_epochs_redraw_instances_and_masks(tokenizer, sources, cache_dir):
+    """Every visit is masked anew: the same instance never yields the same batch twice."""
+    it = make({}, tokenizer, sources, cache_dir)
+    seen = {next(it)["input_ids"].tobytes() for _ in range(40)}
+    assert len(seen) == 40
+
+
+def test_workers_do_not_change_batches(tokenizer, sources, cache_dir):
+    serial = take(make({}, tokenizer, sources, cache_dir), 6)
+    parallel_it = make({"num_workers": 2}, tokenizer, sources, cache_dir)
+    try:
+        assert_same(take(parallel_it, 6), serial)
+        assert parallel_it.get_state()["step"] == 6  # state of what was consumed, not prefetched
+    finally:
+        parallel_it.close()
+
+
+def test_processes_read_disjoint_documents(tokenizer, sources, cache_dir):
+    its = [
+        make({}, tokenizer, sources[:1], cache_dir, process_index=p, process_count=2)
+        for p in range(2)
+    ]
+    corpora = [
+        pipeline.load_tokenized(
+            sources[0],
+            tokenizer,
+            split="train",
+            shard_index=p,
+            shard_count=2,
+            cache_dir=cache_dir,
+        )[0]
+        for p in range(2)
+    ]
+    docs = [
+        {corpus.document_tokens(d).tobytes() for d in range(corpus.num_documents)}
+        for corpus in corpora
+    ]
+    assert docs[0] and docs[1] and not docs[0] & docs[1]
+    for p, it in enumerate(its):
+        batch = next(it)
+        assert batch["input_ids"].shape == (8, 128)  # per-host batch = global / 2
+        ids = np.where(batch["input_mask"] > 0, batch["input_ids"], 0)
+        real = batch["masked_lm_weights"] > 0  # undo the masking: original ids back in place
+        ids[np.nonzero(real)[0], batch["masked_lm_positions"][real]] = batch["masked_lm_ids"][real]
+        stream = [np.asarray(c.tokens) for c in corpora]
+        for row in ids:
+            window = row[1:31]  # 30 tokens of segment A: unique in practice
+            if tokenizer.sep_id in window:
+                continue
+            found = [
+                np.any(np.all(np.lib.stride_tricks.sliding_window_view(s, 30) == window, 1))
+                for s in stream
+            ]
+            assert found[p] and not found[1 - p]
+
+
+def test_mixture_follows_weights(tokenizer, sources, cache_dir):
+    it = make({"batch_size": 32}, tokenizer, sources, cache_dir)
+    take(it, 64)
+    consumed = np.array(it.get_state()["consumed"])
+    assert consumed.sum() == 64 * 32
+    assert abs(consumed[0] / consumed.sum() - 0.75) < 0.04  # 3:1; 4 standard errors
+
+
+def test_eval_batches_are_fixed(tokenizer, sources, cache_dir):
+    cfg = DataConfig(
+        seq_len=128, max_predictions_per_seq=20, batch_size=16, seed=7, cache_dir=cache_dir
+    )
+    evals = pipeline.make_eval_iterator(
+        cfg, tokenizer, split="validation", num_batches=3, sources=sources
+    )
+    first, second = list(evals), list(evals)
+    assert len(first) == len(evals) == 3
+    assert_same(first, second)
+    train = next(make({}, tokenizer, sources, cache_dir))
+    assert first[0]["input_ids"].tobytes() != train["input_ids"].tobytes()
+    assert evals.stats()["documents"] == 3  # austen-12: documents 0 and 10; brown-8: 0
+
+
+def test_stats_count_bad_documents(tokenizer, shared_data, cache_dir):
+    good = list(
+        pretraining.iter_jsonl_documents(os.path.join(shared_data, "corpora", "brown.jsonl.gz"))
+    )[:3]
+    bad = [
+        {"title": "bytes", "text": b"Caf\xe9 au lait. Very good.\nYes."},
+        {"title": "empty", "text": ""},
+        {"title": "one", "text": "Only one sentence."},
+        {"title": "long", "text": "x" * 100_000},
+    ]
+    src = DocumentSource("bad-docs", 1.0, lambda split, i, n: iter(good + bad))
+    it = make({"seq_len": 64, "batch_size": 8}, tokenizer, [src], cache_dir)
+    take(it, 3)
+    stats = it.stats()
+    assert stats["documents"] == 7 and stats["documents_empty"] == 1
+    assert stats["documents_one_sentence"] == 1 and stats["non_utf8_replaced"] == 1
+    assert stats["long_sentences_chunked"] == 1 and stats["instances_truncated"] > 0
+    assert stats["batches"] == 3 and stats["epochs"] >= 1
+    assert set(pretraining.COUNTERS) <= set(stats)
+
+
+def test_config_from_configdict_and_errors(tokenizer, sources, cache_dir):
+    c = ml_collections.ConfigDict()
+    c.seq_len, c.max_predictions_per_seq, c.batch_size, c.seed = 64, 10, 32, 3
+    c.objective = "nsp"
+    c.data = ml_collections.ConfigDict()
+    c.data.sources = "demo"
+    c.data.data_dir = "/tmp/nowhere"
+    c.data.short_seq_prob, c.data.masked_lm_prob, c.data.max_ngram = 0.2, 0.1, 2
+    c.data.num_workers = 0
+    cfg = DataConfig.from_config(c, cache_dir=cache_dir)
+    assert (cfg.seq_len, cfg.max_predictions_per_seq, cfg.batch_size, cfg.seed) == (64, 10, 32, 3)
+    assert (cfg.objective, cfg.sources, cfg.ngram, cfg.short_seq_prob) == ("nsp", "demo", 2, 0.2)
+    assert cfg.masked_lm_prob == 0.1 and cfg.data_dir == "/tmp/nowhere"
+
+    with pytest.raises(ValueError, match="process_count"):
+        make({"batch_size": 15}, tokenizer, sources, cache_dir, process_count=2, process_index=0)
+    with pytest.raises(ValueError, match="objective"):
+        make({"objective": "mlm"}, tokenizer, sources, cache_dir)
+    with pytest.raises(ValueError, match="weights"):
+        make({}, tokenizer, [DocumentSource("w", 0.0, sources[0].documents)], cache_dir)
+    it = make({}, tokenizer, sources, cache_dir)
+    other = make({"seed": 99}, tokenizer, sources, cache_dir)
+    with pytest.raises(ValueError, match="fingerprint"):
+        other.set_state(it.get_state())
+    # How batches are built (workers) is not part of the fingerprint.
+    make({"num_workers": 3}, tokenizer, sources, cache_dir).set_state(it.get_state())
+
+
+@pytest.fixture(scope="module")
+def raw_text_file(tmp_path_factory, shared_data) -> str:
+    """30 Austen chapters in the official format: a sentence per line, blank line between."""
+    path = tmp_path_factory.mktemp("raw") / "corpus.txt"
+    docs = pretraining.iter_jsonl_documents(os.path.join(shared_data, "corpora", "austen.jsonl.gz"))
+    with open(path, "w", encoding="utf-8") as f:
+        for doc in itertools.islice(docs, 30):
+            f.write("\n".join(sentences.split_sentences(doc["text"])) + "\n\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tfds_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("tfds"))
+
+
+def test_official_raw_text_through_tfds(tokenizer, raw_text_file, tfds_dir):
+    """End to end through albert_jax.data.sources: spec -> TFDS build -> cache -> batches."""
+    c = ml_collections.ConfigDict()
+    c.seq_len, c.max_predictions_per_seq, c.batch_size, c.seed, c.objective = 64, 10, 8, 0, "sop"
+    c.data = ml_collections.ConfigDict()
+    c.data.sources = f"raw_text={raw_text_file}"
+    c.data.data_dir = tfds_dir
+    it = pipeline.make_pretraining_iterator(c, tokenizer)
+    batch = next(it)
+    assert batch["input_ids"].shape == (8, 64)
+    stats = it.stats()
+    evals = pipeline.make_eval_iterator(c, tokenizer, split="validation", num_batches=2)
+    held_out = evals.stats()["documents"]
+    assert held_out >= 1 and stats["documents"] + held_out == 30
+    assert_same(list(evals), list(evals))
+    # The tokenized cache lives under the data dir, keyed by source, split, shard, tokenizer.
+    caches = os.listdir(os.path.join(c.data.data_dir, "albert_jax_cache"))
+    assert any(".train.0-of-1." in n for n in caches)
+    assert any(".validation.0-of-1." in n for n in caches)
+
+
+def test_tokenizer_cli_reads_sources(raw_text_file, tfds_dir, tmp_path):
+    prefix = str(tmp_path / "cli_spm")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "albert_jax.data.tokenizer",
+            f"--source=raw_text={raw_text_file}",
+            f"--data_dir={tfds_dir}",
+            "--vocab_size=400",
+            f"--output={prefix}.model",
+            "--max_sentences=3000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith(prefix + ".model")
+    cli = Tokenizer(prefix + ".model")
+    assert cli.vocab_size == 400 and cli.mask_id == 4 and cli.encode("Emma smiled.")

@@ -1,0 +1,325 @@
+"""Pretraining examples: sentences, instances (SOP/NSP/none), whole-word n-gram masking."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from albert_jax.data import masking, pretraining, reference_masking, sentences
+from albert_jax.data.pretraining import A_HI, A_LO, B_HI, B_LO, KIND, LABEL
+from albert_jax.data.tokenizer import Tokenizer, train_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory, shared_data) -> Tokenizer:
+    """The session's real unigram model (same file as in test_tokenizer: trained once)."""
+    path = tmp_path_factory.getbasetemp() / "albert_spm" / "spm"
+    if not os.path.exists(str(path) + ".model"):
+        texts = []
+        for name in ("brown", "austen"):
+            docs = pretraining.iter_jsonl_documents(
+                os.path.join(shared_data, "corpora", f"{name}.jsonl.gz")
+            )
+            for doc in itertools.islice(docs, 60):
+                texts.extend(sentences.split_sentences(doc["text"]))
+        train_tokenizer(texts, str(path), vocab_size=3000, max_sentences=15000)
+    return Tokenizer(str(path) + ".model")
+
+
+@pytest.fixture(scope="module")
+def corpus(tokenizer, shared_data) -> pretraining.TokenizedCorpus:
+    docs = pretraining.iter_jsonl_documents(os.path.join(shared_data, "corpora", "austen.jsonl.gz"))
+    return pretraining.tokenize_documents(list(itertools.islice(docs, 70)), tokenizer)
+
+
+# --- sentences and documents ------------------------------------------------------------------
+
+
+def test_split_sentences_uses_a_real_model():
+    text = 'Mr. Smith went to Washington. He said "hi!" Then he left.\nA new paragraph'
+    assert sentences.split_sentences(text) == [
+        "Mr. Smith went to Washington.",
+        'He said "hi!"',
+        "Then he left.",
+        "A new paragraph",
+    ]
+
+
+def test_raw_text_format_is_read():
+    raw = b"First sentence here.\nSecond one, no period\n\n\nDoc two only line.\n\xff\xfe bad\n"
+    docs = list(pretraining.iter_raw_text_documents(raw))
+    assert len(docs) == 2
+    assert docs[0]["text"] == "First sentence here.\nSecond one, no period"
+    assert isinstance(docs[1]["text"], bytes)  # not UTF-8: replaced (and counted) later
+    counters = Counter()
+    sents = sentences.split_sentences(docs[0]["text"], counters)
+    assert sents == ["First sentence here.", "Second one, no period"]  # a line per sentence
+    assert sentences.split_sentences(docs[1]["text"], counters)[1] == "\ufffd\ufffd bad"
+    assert counters["non_utf8_replaced"] == 1
+
+
+def test_bad_input_is_counted_not_fatal(tokenizer):
+    long_line = "word" * 25_000  # 100k characters, no space, no punctuation
+    docs = [
+        {"title": "bad bytes", "text": b"Caf\xe9 au lait. It is good.\nYes."},
+        {"title": "empty", "text": ""},
+        {"title": "blank", "text": " \n \n"},
+        {"title": "one", "text": "Just one sentence here."},
+        {"title": "long", "text": long_line + "\nAnd a normal sentence."},
+        {"title": "surrogate", "text": "Broken \ud800 text. Second sentence."},
+    ]
+    counters = Counter()
+    corpus = pretraining.tokenize_documents(docs, tokenizer, counters)
+    assert counters["documents"] == 6
+    assert counters["documents_empty"] == 2
+    assert counters["documents_one_sentence"] == 1
+    assert counters["non_utf8_replaced"] == 2
+    assert counters["long_sentences_chunked"] == 1
+    assert corpus.num_documents == 4
+    lengths = np.diff(corpus.sentence_starts)
+    assert lengths.min() >= 1
+    # The 100k line became ~50 sentences of at most MAX_SENTENCE_CHARS characters.
+    assert corpus.doc_starts[3] - corpus.doc_starts[2] >= 100_000 // 2000
+    table = pretraining.create_instances(
+        corpus, np.random.default_rng(0), max_seq_length=64, counters=counters
+    )
+    assert len(table) > 0 and counters["instances_truncated"] > 0
+    assert np.all(table[:, A_HI] - table[:, A_LO] + table[:, B_HI] - table[:, B_LO] <= 61)
+
+
+def test_truncate_counts_match_the_reference_loop():
+    rng = random.Random(0)
+    for _ in range(2000):
+        la, lb, limit = rng.randint(1, 300), rng.randint(1, 300), rng.randint(2, 300)
+        a, b = la, lb
+        while a + b > limit:  # truncate_seq_pair, counting only
+            if a > b:
+                a -= 1
+            else:
+                b -= 1
+        cut_a, cut_b = pretraining.truncate_counts(np.array([la]), np.array([lb]), limit)
+        assert (cut_a[0], cut_b[0]) == (la - a, lb - b)
+
+
+# --- instances --------------------------------------------------------------------------------
+
+
+def _find(haystack: np.ndarray, needle: np.ndarray) -> np.ndarray:
+    """Start offsets of `needle` in `haystack`."""
+    starts = np.flatnonzero(haystack[: len(haystack) - len(needle) + 1] == needle[0])
+    return np.array([s for s in starts if np.array_equal(haystack[s : s + len(needle)], needle)])
+
+
+def test_sop_instances_follow_the_reference(corpus, tokenizer):
+    rng = np.random.default_rng(1)
+    S = 128
+    counters = Counter()
+    table = pretraining.create_instances(corpus, rng, max_seq_length=S, counters=counters)
+    la = table[:, A_HI] - table[:, A_LO]
+    lb = table[:, B_HI] - table[:, B_LO]
+    assert la.min() >= 1 and lb.min() >= 1 and (la + lb).max() <= S - 3
+    kind, label = table[:, KIND], table[:, LABEL]
+    assert set(label[kind == pretraining.IN_ORDER]) == {0}
+    assert set(label[kind != pretraining.IN_ORDER]) == {1}
+    # SOP: multi-sentence chunks are swapped with p=0.5.
+    pairs = kind != pretraining.RANDOM_B
+    swapped = (kind[pairs] == pretraining.SWAPPED).mean()
+    assert abs(swapped - 0.5) < 0.02, swapped
+    assert counters["instances_random_b"] == int((kind == pretraining.RANDOM_B).sum())
+    # Random B comes from another document; A and B of pairs from the same one.
+    doc_a = corpus.document_of_token(table[:, A_LO])
+    doc_b = corpus.document_of_token(table[:, B_LO])
+    assert np.all(doc_a[pairs] == doc_b[pairs])
+    assert np.all(doc_a[~pairs] != doc_b[~pairs])
+    # Short targets: about short_seq_prob of the documents aim below the maximum.
+    short = (la + lb < (S - 3) // 2).mean()
+    assert 0.0 < short < 0.5
+
+    # Black box: rebuild the token sequences of a batch and find them in the documents.
+    batch_rows = table[:300]
+    ids, segments, lengths = pretraining.assemble([corpus], np.zeros(300, np.int64), batch_rows, S)
+    for b in range(300):
+        row = ids[b, : lengths[b]]
+        assert row[0] == tokenizer.cls_id and row[-1] == tokenizer.sep_id
+        sep = int(np.flatnonzero(row == tokenizer.sep_id)[0])
+        seg_a, seg_b = row[1:sep], row[sep + 1 : -1]
+        assert np.all(segments[b, : sep + 1] == 0) and np.all(segments[b, sep + 1 : lengths[b]])
+        d = corpus.document_of_token(batch_rows[b, A_LO])
+        doc = np.asarray(corpus.document_tokens(d))
+        where_a = _find(doc, seg_a)
+        assert where_a.size, "segment A must come from its document"
+        if batch_rows[b, KIND] == pretraining.RANDOM_B:
+            continue
+        where_b = _find(doc, seg_b)
+        assert where_b.size
+        if batch_rows[b, LABEL] == 0:  # in order: A precedes B
+            assert any(y >= x + len(seg_a) for x in where_a for y in where_b)
+        else:  # swapped: B precedes A in the document
+            assert any(x >= y + len(seg_b) for x in where_a for y in where_b)
+
+
+def test_nsp_and_none_objectives(corpus):
+    table = pretraining.create_instances(
+        corpus, np.random.default_rng(2), max_seq_length=128, objective="nsp"
+    )
+    kind, label = table[:, KIND], table[:, LABEL]
+    assert not (kind == pretraining.SWAPPED).any()
+    assert np.array_equal(label == 1, kind == pretraining.RANDOM_B)
+    assert 0.45 < label.mean() < 0.6  # p=0.5 plus one-sentence chunks
+    doc_a = corpus.document_of_token(table[:, A_LO])
+    doc_b = corpus.document_of_token(table[:, B_LO])
+    assert np.all(doc_a[label == 1] != doc_b[label == 1])
+    table = pretraining.create_instances(
+        corpus, np.random.default_rng(2), max_seq_length=128, objective="none"
+    )
+    assert not table[:, LABEL].any() and (table[:, KIND] == pretraining.IN_ORDER).all()
+    with pytest.raises(ValueError, match="objective"):
+        pretraining.create_instances(
+            corpus, np.random.default_rng(0), max_seq_length=128, objective="mlm"
+        )
+
+
+def test_instances_are_seeded(corpus):
+    a = pretraining.create_instances(corpus, np.random.default_rng(5), max_seq_length=128)
+    b = pretraining.create_instances(corpus, np.random.default_rng(5), max_seq_length=128)
+    c = pretraining.create_instances(corpus, np.random.default_rng(6), max_seq_length=128)
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+# --- masking ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def masked(corpus, tokenizer):
+    """>= 10k real sequences (seq 128, P 20) masked by the vectorized implementation."""
+    rng = np.random.default_rng(3)
+    tables = [pretraining.create_instances(corpus, rng, max_seq_length=128) for _ in range(5)]
+    rows = np.concatenate(tables)[:10240]
+    ids, _, lengths = pretraining.assemble([corpus], np.zeros(len(rows), np.int64), rows, 128)
+    out = masking.mask_whole_word_ngrams(
+        ids, lengths, tokenizer.word_start, rng, max_predictions=20
+    )
+    return ids, lengths, out
+
+
+def test_masking_ngram_lengths(masked):
+    ids, _, out = masked
+    assert len(ids) >= 10_000
+    sampled = out.sampled_ngrams / out.sampled_ngrams.sum()
+    # ~100k draws: the standard error is ~0.15 points, so 1 point is a loose bound.
+    assert np.allclose(sampled, [6 / 11, 3 / 11, 2 / 11], atol=0.01), sampled
+    accepted = out.accepted_ngrams / out.accepted_ngrams.sum()
+    assert accepted[0] > accepted[1] > accepted[2] > 0
+
+
+def test_masking_replacement_80_10_10(masked, tokenizer):
+    ids, _, out = masked
+    b, p = np.nonzero(out.weights)
+    original = ids[b, out.positions[b, p]]
+    assert np.array_equal(original, out.ids[b, p])
+    now = out.input_ids[b, out.positions[b, p]]
+    is_mask = now == tokenizer.mask_id
+    kept = now == original
+    random_other = ~is_mask & ~kept
+    assert abs(is_mask.mean() - 0.8) < 0.015
+    assert abs(kept.mean() - 0.1) < 0.015
+    assert abs(random_other.mean() - 0.1) < 0.015
+    # Random replacements span the whole vocabulary (special pieces included).
+    assert now[random_other].max() > 0.9 * tokenizer.vocab_size
+    # Nothing else changed.
+    changed = out.input_ids != ids
+    changed[b, out.positions[b, p]] = False
+    assert not changed.any()
+
+
+def test_masking_budget_and_specials(masked, tokenizer):
+    ids, lengths, out = masked
+    n_pred = out.weights.sum(axis=1).astype(int)
+    budget = np.minimum(20, np.maximum(1, np.array([round(0.15 * n) for n in lengths])))
+    assert np.all(n_pred <= budget)
+    assert (n_pred == budget).mean() > 0.999
+    b, p = np.nonzero(out.weights)
+    pos = out.positions[b, p]
+    assert not np.isin(ids[b, pos], [tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id]).any()
+    assert np.all(pos < lengths[b])
+    # Positions are sorted within a row and padded with zeros (weight 0).
+    real = out.weights > 0
+    assert np.all(real[:, :-1] >= real[:, 1:])  # real entries first
+    assert np.all(np.diff(out.positions, axis=1)[real[:, 1:]] > 0)
+    assert not out.positions[out.weights == 0].any() and not out.ids[out.weights == 0].any()
+
+
+def test_masking_selects_whole_words(masked, tokenizer):
+    """A word's pieces are masked together: every masked piece's word is masked entirely."""
+    ids, lengths, out = masked
+    selected = np.zeros(ids.shape, bool)
+    b, p = np.nonzero(out.weights)
+    selected[b, out.positions[b, p]] = True
+    for row in range(500):
+        tokens = ids[row, : lengths[row]]
+        word, words = -1, []
+        for i, t in enumerate(tokens):
+            if t in (tokenizer.cls_id, tokenizer.sep_id):
+                continue
+            if word < 0 or tokenizer.word_start[t]:
+                word += 1
+                words.append([])
+            words[-1].append(i)
+        for pieces in words:
+            flags = selected[row, pieces]
+            assert flags.all() or not flags.any()
+
+
+def test_masking_matches_the_pure_python_reference(masked, tokenizer):
+    """Same inputs, two implementations: span-length mix and prediction counts agree."""
+    ids, lengths, out = masked
+    rng = random.Random(0)
+    table = tokenizer.word_start.tolist()
+    spans = np.zeros(3)
+    n_pred = []
+    n = 2000
+    for row in range(n):
+        _, pos, _, accepted = reference_masking.mask_one(
+            ids[row, : lengths[row]].tolist(),
+            table,
+            rng,
+            max_predictions=20,
+            vocab_size=tokenizer.vocab_size,
+        )
+        n_pred.append(len(pos))
+        for s in accepted:
+            spans[s - 1] += 1
+    ours = out.accepted_ngrams / out.accepted_ngrams.sum()
+    assert np.allclose(spans / spans.sum(), ours, atol=0.02), (spans / spans.sum(), ours)
+    assert np.array_equal(n_pred, out.weights[:n].sum(axis=1).astype(int))
+
+
+def test_masking_is_seeded_and_handles_edge_rows(tokenizer):
+    ids = np.zeros((3, 16), np.int32)
+    ids[0, :2] = [2, 3]  # only specials: nothing to mask
+    ids[1, :5] = [2, 100, 101, 102, 3]
+    ids[2, :] = 200
+    lengths = np.array([2, 5, 16])
+    a = masking.mask_whole_word_ngrams(
+        ids, lengths, tokenizer.word_start, np.random.default_rng(0), max_predictions=4
+    )
+    b = masking.mask_whole_word_ngrams(
+        ids, lengths, tokenizer.word_start, np.random.default_rng(0), max_predictions=4
+    )
+    assert all(np.array_equal(x, y) for x, y in zip(a.input_ids, b.input_ids, strict=True))
+    assert a.weights[0].sum() == 0
+    assert a.weights[1].sum() >= 1  # budget max(1, round(0.75)) = 1
+    zero = masking.mask_whole_word_ngrams(
+        ids,
+        lengths,
+        tokenizer.word_start,
+        np.random.default_rng(0),
+        max_predictions=4,
+        masked_lm_prob=0.0,
+    )
+    assert zero.weights.sum() == 0 and np.array_equal(zero.input_ids, ids)
