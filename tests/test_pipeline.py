@@ -190,6 +190,34 @@ def test_mixture_follows_weights(tokenizer, sources, cache_dir):
     assert abs(consumed[0] / consumed.sum() - 0.75) < 0.04  # 3:1; 4 standard errors
 
 
+@pytest.mark.parametrize("seq_len", [128, 512])
+def test_sop_labels_are_balanced(tokenizer, sources, cache_dir, seq_len):
+    """Over >= 10k training examples of real text, the SOP label is 1 for 50 +- 2 %.
+
+    The reference's treatment of one-sentence chunks (`sop_single_segment="random_b"`: a B from
+    another document, always label 1) leaves an excess of label 1 on the same data."""
+    rates = {}
+    for mode in ("split", "random_b"):
+        it = make(
+            {"seq_len": seq_len, "batch_size": 1024, "sop_single_segment": mode},
+            tokenizer,
+            sources,
+            cache_dir,
+        )
+        labels = np.concatenate([next(it)["sentence_order_label"] for _ in range(10)])
+        rates[mode] = labels.mean()
+        stats = it.stats()
+        assert len(labels) >= 10_000
+        if mode == "split":  # one-sentence chunks exist here, and are cut instead
+            assert stats["instances_split_sentence"] > 0.03 * stats["instances"]
+            assert stats["instances_random_b"] == 0
+        else:
+            assert stats["instances_random_b"] > 0 and stats["instances_split_sentence"] == 0
+    # 10240 fair coins: one standard error is 0.5 points.
+    assert abs(rates["split"] - 0.5) <= 0.02, rates
+    assert rates["random_b"] > 0.52, rates
+
+
 def test_eval_batches_are_fixed(tokenizer, sources, cache_dir):
     cfg = DataConfig(
         seq_len=128, max_predictions_per_seq=20, batch_size=16, seed=7, cache_dir=cache_dir
@@ -239,6 +267,12 @@ def test_config_from_configdict_and_errors(tokenizer, sources, cache_dir):
     assert (cfg.seq_len, cfg.max_predictions_per_seq, cfg.batch_size, cfg.seed) == (64, 10, 32, 3)
     assert (cfg.objective, cfg.sources, cfg.ngram, cfg.short_seq_prob) == ("nsp", "demo", 2, 0.2)
     assert cfg.masked_lm_prob == 0.1 and cfg.data_dir == "/tmp/nowhere"
+    assert cfg.sop_single_segment == "split"  # the default when the config has no such field
+    c.data.sop_single_segment = "random_b"
+    assert DataConfig.from_config(c).sop_single_segment == "random_b"
+    c.data.sop_single_segment = "drop"
+    with pytest.raises(ValueError, match="sop_single_segment"):
+        DataConfig.from_config(c)
 
     with pytest.raises(ValueError, match="process_count"):
         make({"batch_size": 15}, tokenizer, sources, cache_dir, process_count=2, process_index=0)
@@ -250,6 +284,9 @@ def test_config_from_configdict_and_errors(tokenizer, sources, cache_dir):
     other = make({"seed": 99}, tokenizer, sources, cache_dir)
     with pytest.raises(ValueError, match="fingerprint"):
         other.set_state(it.get_state())
+    reference = make({"sop_single_segment": "random_b"}, tokenizer, sources, cache_dir)
+    with pytest.raises(ValueError, match="fingerprint"):  # other instances: another stream
+        reference.set_state(it.get_state())
     # How batches are built (workers) is not part of the fingerprint.
     make({"num_workers": 3}, tokenizer, sources, cache_dir).set_state(it.get_state())
 

@@ -116,10 +116,13 @@ def _find(haystack: np.ndarray, needle: np.ndarray) -> np.ndarray:
 
 
 def test_sop_instances_follow_the_reference(corpus, tokenizer):
+    """single_segment="random_b": the official algorithm, one-sentence chunks included."""
     rng = np.random.default_rng(1)
     S = 128
     counters = Counter()
-    table = pretraining.create_instances(corpus, rng, max_seq_length=S, counters=counters)
+    table = pretraining.create_instances(
+        corpus, rng, max_seq_length=S, single_segment="random_b", counters=counters
+    )
     la = table[:, A_HI] - table[:, A_LO]
     lb = table[:, B_HI] - table[:, B_LO]
     assert la.min() >= 1 and lb.min() >= 1 and (la + lb).max() <= S - 3
@@ -130,7 +133,10 @@ def test_sop_instances_follow_the_reference(corpus, tokenizer):
     pairs = kind != pretraining.RANDOM_B
     swapped = (kind[pairs] == pretraining.SWAPPED).mean()
     assert abs(swapped - 0.5) < 0.02, swapped
-    assert counters["instances_random_b"] == int((kind == pretraining.RANDOM_B).sum())
+    assert counters["instances_random_b"] == int((kind == pretraining.RANDOM_B).sum()) > 0
+    assert counters["instances_split_sentence"] == 0
+    # Hence the reference's excess of label 1: every one-sentence chunk adds one.
+    assert label.mean() > 0.5 + 0.5 * (kind == pretraining.RANDOM_B).mean() - 0.02
     # Random B comes from another document; A and B of pairs from the same one.
     doc_a = corpus.document_of_token(table[:, A_LO])
     doc_b = corpus.document_of_token(table[:, B_LO])
@@ -163,6 +169,143 @@ def test_sop_instances_follow_the_reference(corpus, tokenizer):
             assert any(x >= y + len(seg_b) for x in where_a for y in where_b)
 
 
+SPLIT_KINDS = (pretraining.SPLIT_IN_ORDER, pretraining.SPLIT_SWAPPED)
+
+
+def test_sop_splits_one_sentence_chunks(corpus, tokenizer):
+    """Default "split": every instance is a same-document order question, label 1 iff swapped;
+    a cut sentence's two sides touch (A ends where B begins when in order)."""
+    S = 128
+    counters = Counter()
+    table = pretraining.create_instances(
+        corpus, np.random.default_rng(1), max_seq_length=S, counters=counters
+    )
+    reference = pretraining.create_instances(
+        corpus, np.random.default_rng(1), max_seq_length=S, single_segment="random_b"
+    )
+    kind, label = table[:, KIND], table[:, LABEL]
+    # Same draws: the same chunks, with a cut sentence where the reference has a random B.
+    assert len(table) == len(reference)
+    split = np.isin(kind, SPLIT_KINDS)
+    assert split.sum() == (reference[:, KIND] == pretraining.RANDOM_B).sum() > 0
+    assert not (kind == pretraining.RANDOM_B).any()
+    assert counters["instances_split_sentence"] == int(split.sum())
+    assert counters["instances_random_b"] == counters["instances_unsplittable"] == 0
+    assert counters["instances"] == len(table)
+    assert np.array_equal(
+        label == 1, np.isin(kind, (pretraining.SWAPPED, pretraining.SPLIT_SWAPPED))
+    )
+    # Fair coins: within 4 standard errors (~2k instances, ~100 of them cut sentences).
+    for labels in (label, label[split]):
+        assert abs(labels.mean() - 0.5) < 4 * 0.5 / np.sqrt(len(labels)), labels.mean()
+    la = table[:, A_HI] - table[:, A_LO]
+    lb = table[:, B_HI] - table[:, B_LO]
+    assert la.min() >= 1 and lb.min() >= 1 and (la + lb).max() <= S - 3
+    # A and B always come from the same document: no topic signal.
+    doc_a = corpus.document_of_token(table[:, A_LO])
+    doc_b = corpus.document_of_token(table[:, B_LO])
+    assert np.array_equal(doc_a, doc_b)
+    # A cut sentence: both sides inside one sentence, adjacent at the cut.
+    ss = np.asarray(corpus.sentence_starts)
+    first = np.minimum(table[:, A_LO], table[:, B_LO])
+    last = np.maximum(table[:, A_HI], table[:, B_HI]) - 1
+    sent_first = np.searchsorted(ss, first, side="right") - 1
+    sent_last = np.searchsorted(ss, last, side="right") - 1
+    assert np.array_equal(sent_first[split], sent_last[split])
+    in_order, swapped = split & (label == 0), split & (label == 1)
+    assert np.array_equal(table[in_order, A_HI], table[in_order, B_LO])
+    assert np.array_equal(table[swapped, B_HI], table[swapped, A_LO])
+    # Two-sentence-or-more chunks: in order A before B; swapped B before A.
+    pairs = ~split
+    assert np.all(table[pairs & (label == 0), A_HI] <= table[pairs & (label == 0), B_LO])
+    assert np.all(table[pairs & (label == 1), B_HI] <= table[pairs & (label == 1), A_LO])
+
+    # Black box: rebuild the sequences and find them in their document.
+    rows = np.concatenate([table[split][:100], table[pairs][:200]])
+    ids, _, lengths = pretraining.assemble([corpus], np.zeros(len(rows), np.int64), rows, S)
+    for b in range(len(rows)):
+        row = ids[b, : lengths[b]]
+        sep = int(np.flatnonzero(row == tokenizer.sep_id)[0])
+        seg_a, seg_b = row[1:sep], row[sep + 1 : -1]
+        doc = np.asarray(corpus.document_tokens(corpus.document_of_token(rows[b, A_LO])))
+        where_a, where_b = _find(doc, seg_a), _find(doc, seg_b)
+        assert where_a.size and where_b.size
+        first_seg, second_seg = (seg_a, seg_b) if rows[b, LABEL] == 0 else (seg_b, seg_a)
+        where_1, where_2 = (where_a, where_b) if rows[b, LABEL] == 0 else (where_b, where_a)
+        if rows[b, KIND] in SPLIT_KINDS:  # the second side starts where the first ends
+            assert any(
+                np.array_equal(doc[x + len(first_seg) : x + len(row) - 3], second_seg)
+                for x in where_1
+            )
+        else:
+            assert any(y >= x + len(first_seg) for x in where_1 for y in where_2)
+
+
+def _synthetic_corpus(sentence_lengths_per_doc: list[list[int]]) -> pretraining.TokenizedCorpus:
+    """Documents of given sentence lengths; token t of the stream has id 5 + t % 1000."""
+    docs, t = [], 0
+    for lengths in sentence_lengths_per_doc:
+        doc = []
+        for n in lengths:
+            doc.append([5 + (t + k) % 1000 for k in range(n)])
+            t += n
+        docs.append(doc)
+    return pretraining.concat_documents(docs, vocab_size=2000)
+
+
+def test_split_cut_is_uniform_and_truncation_keeps_the_cut():
+    # 4000 one-sentence documents of 10 tokens, 30 of 1 token, one of a 300-token sentence.
+    corpus = _synthetic_corpus([[10]] * 4000 + [[1]] * 30 + [[300]])
+    counters = Counter()
+    table = pretraining.create_instances(
+        corpus, np.random.default_rng(0), max_seq_length=64, short_seq_prob=0.0, counters=counters
+    )
+    assert counters["instances_unsplittable"] == 30
+    assert len(table) == counters["instances_split_sentence"] == 4001
+    assert np.isin(table[:, KIND], SPLIT_KINDS).all()
+    label = table[:, LABEL]
+    first_lo = np.minimum(table[:, A_LO], table[:, B_LO])
+    cut = np.where(label == 0, table[:, A_HI], table[:, B_HI])
+    # The 1-token documents (tokens 40000..40029) are in no instance.
+    assert not ((first_lo >= 40000) & (first_lo < 40030)).any()
+    short = first_lo < 40000
+    # Cut offset within the 10-token sentence: uniform over 1..9 (~444 each, sigma ~20).
+    counts = np.bincount(cut[short] - first_lo[short], minlength=10)
+    assert counts[0] == 0 and counts[1:].sum() == 4000 and len(counts) == 10
+    assert np.abs(counts[1:] - 4000 / 9).max() < 90, counts
+    assert abs(label.mean() - 0.5) < 0.03
+    # The 300-token sentence: truncated to 61 tokens only at its outer ends, the cut kept.
+    (long,) = np.flatnonzero(~short)
+    a_lo, a_hi, b_lo, b_hi, lab = table[long, :5]
+    (lo1, hi1), (lo2, hi2) = (
+        ((a_lo, a_hi), (b_lo, b_hi)) if lab == 0 else ((b_lo, b_hi), (a_lo, a_hi))
+    )
+    assert hi1 == lo2 and hi2 - lo1 == 61 and 40030 <= lo1 < hi1 and lo2 < hi2 <= 40330
+
+
+def test_split_edge_cases_and_other_objectives(corpus):
+    with pytest.raises(ValueError, match="single_segment"):
+        pretraining.create_instances(
+            corpus, np.random.default_rng(0), max_seq_length=128, single_segment="drop"
+        )
+    ones = _synthetic_corpus([[1]] * 5)
+    with pytest.raises(ValueError, match="1-token"):
+        pretraining.create_instances(ones, np.random.default_rng(0), max_seq_length=128)
+    # NSP and MLM-only ignore the option: the reference's instances in both modes.
+    for objective in ("nsp", "none"):
+        split, ref = (
+            pretraining.create_instances(
+                corpus,
+                np.random.default_rng(4),
+                max_seq_length=128,
+                objective=objective,
+                single_segment=mode,
+            )
+            for mode in ("split", "random_b")
+        )
+        assert np.array_equal(split, ref)
+
+
 def test_nsp_and_none_objectives(corpus):
     table = pretraining.create_instances(
         corpus, np.random.default_rng(2), max_seq_length=128, objective="nsp"
@@ -184,10 +327,17 @@ def test_nsp_and_none_objectives(corpus):
         )
 
 
-def test_instances_are_seeded(corpus):
-    a = pretraining.create_instances(corpus, np.random.default_rng(5), max_seq_length=128)
-    b = pretraining.create_instances(corpus, np.random.default_rng(5), max_seq_length=128)
-    c = pretraining.create_instances(corpus, np.random.default_rng(6), max_seq_length=128)
+@pytest.mark.parametrize("single_segment", ["split", "random_b"])
+def test_instances_are_seeded(corpus, single_segment):
+    a, b, c = (
+        pretraining.create_instances(
+            corpus,
+            np.random.default_rng(seed),
+            max_seq_length=128,
+            single_segment=single_segment,
+        )
+        for seed in (5, 5, 6)
+    )
     assert np.array_equal(a, b) and not np.array_equal(a, c)
 
 

@@ -63,6 +63,9 @@ class DataConfig:
     max_predictions_per_seq: int = 20  # P
     batch_size: int = 4096  # global batch; each of `process_count` hosts makes batch/n
     objective: str = "sop"  # sop | nsp | none
+    # SOP's one-sentence chunks: "split" (cut the sentence in two; balanced labels) or
+    # "random_b" (the reference: B from another document, label 1). See pretraining.py.
+    sop_single_segment: str = "split"
     seed: int = 0
     short_seq_prob: float = 0.1
     masked_lm_prob: float = 0.15
@@ -82,7 +85,7 @@ class DataConfig:
 
         Top-level: seq_len, max_predictions_per_seq, batch_size, objective, seed. In `data`
         (or top-level): sources, data_dir, cache_dir, short_seq_prob, masked_lm_prob,
-        max_ngram (or ngram), num_workers, prefetch.
+        max_ngram (or ngram), sop_single_segment, num_workers, prefetch.
         """
         values: dict[str, Any] = {}
         data = _get(config, "data")
@@ -104,6 +107,11 @@ class DataConfig:
         if self.objective not in pretraining.OBJECTIVES:
             raise ValueError(
                 f"objective must be one of {pretraining.OBJECTIVES} (got {self.objective!r})"
+            )
+        if self.sop_single_segment not in pretraining.SINGLE_SEGMENT_MODES:
+            raise ValueError(
+                f"sop_single_segment must be one of {pretraining.SINGLE_SEGMENT_MODES} "
+                f"(got {self.sop_single_segment!r})"
             )
         if self.seq_len < 5:
             raise ValueError(f"seq_len must be >= 5 (got {self.seq_len})")
@@ -309,6 +317,7 @@ class InstanceStream:
                 max_seq_length=self.cfg.seq_len,
                 short_seq_prob=self.cfg.short_seq_prob,
                 objective=self.cfg.objective,
+                single_segment=self.cfg.sop_single_segment,
                 counters=self.counters,
             )
             self.counters["epochs"] += 1
@@ -628,7 +637,8 @@ class PretrainingIterator:
         """Counters: cache build (documents, documents_empty, documents_one_sentence,
         sentences, sentences_empty_dropped, long_sentences_chunked, non_utf8_replaced, tokens)
         and instances of the epochs built so far (instances, instances_truncated,
-        instances_random_b, epochs), summed over sources, plus `<source>/<counter>`."""
+        instances_random_b, instances_split_sentence, instances_unsplittable, epochs), summed
+        over sources, plus `<source>/<counter>`."""
         out: Counter = Counter({k: 0 for k in pretraining.COUNTERS})
         for name, built, stream in zip(
             self.source_names, self._build_counters, self._streams, strict=True

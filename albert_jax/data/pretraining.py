@@ -8,8 +8,14 @@ Follows ALBERT's `create_pretraining_data.py` (see ALBERT_REFERENCE.md §5):
 * `create_instances`: per document, a target length `max_seq_length - 3` (with probability
   `short_seq_prob` drawn as `randint(2, max)`); sentences are accumulated into a chunk until the
   target is reached; A = the first `a_end = randint(1, len(chunk) - 1)` sentences.
-  - `sop`: A/B swapped with p=0.5 (label 1), in order otherwise (label 0); a one-sentence chunk
-    takes B from a random other document (label 1), exactly as the reference.
+  - `sop`: A/B swapped with p=0.5 (label 1), in order otherwise (label 0). A one-sentence chunk
+    (a sentence at least as long as the target, the last sentence of a document, a one-sentence
+    document) depends on `single_segment`:
+    `"split"` (default, our deviation): the sentence is cut at a uniformly random token boundary
+    into A and B, then kept in order or swapped with p=0.5 like any chunk (a 1-token sentence
+    cannot be cut: skipped and counted as `instances_unsplittable`); its truncation trims only
+    the outer ends, so the two sides stay adjacent at the cut;
+    `"random_b"` (the reference): B comes from a random other document, always label 1.
   - `nsp`: with p=0.5 (or for a one-sentence chunk) B starts at a random sentence of another
     document (label 1); the unused sentences of the chunk are put back.
   - `none`: A/B always in order (label 0), a one-sentence chunk makes `[CLS] A [SEP]` alone.
@@ -19,7 +25,14 @@ Follows ALBERT's `create_pretraining_data.py` (see ALBERT_REFERENCE.md §5):
 * `build_batch`: `[CLS] A [SEP] B [SEP]` + segment ids + padding, then whole-word n-gram masking
   (`masking.mask_whole_word_ngrams`) drawn from the generator passed in.
 
-Deliberate differences from the reference, all randomness-only: our generators are numpy's
+Why `"split"` is the default for SOP: the reference gives every one-sentence chunk label 1 with
+a B from another document, so the labels are not balanced (label 1 on 53-56% of the instances
+of the demo corpus, 59% on the State of the Union addresses), and these instances
+can be solved by topic prediction alone, the very signal SOP replaces NSP to avoid (paper
+Sec. 4.6). Cutting the sentence keeps every instance a same-document order question with
+exactly p=0.5 for each label. `objective="nsp"` keeps the reference behaviour in any mode.
+
+Other deliberate differences from the reference, all randomness-only: our generators are numpy's
 (seeded, reproducible) instead of Python's `random` plus the unseeded global `np.random`; a
 random other document is drawn uniformly among the other documents (the reference retries up to
 10 times and may rarely keep the same one); the truncation draws the number of front/back cuts
@@ -49,8 +62,10 @@ OBJECTIVES = ("sop", "nsp", "none")
 
 # Columns of an instance table [N, 6] (int64).
 A_LO, A_HI, B_LO, B_HI, LABEL, KIND = range(6)
-# KIND: how B was chosen.
-IN_ORDER, SWAPPED, RANDOM_B = 0, 1, 2
+# KIND: how B was chosen. SPLIT_*: A and B are the two sides of one sentence cut in two.
+IN_ORDER, SWAPPED, RANDOM_B, SPLIT_IN_ORDER, SPLIT_SWAPPED = 0, 1, 2, 3, 4
+# What `create_instances(objective="sop")` does with a one-sentence chunk (module docstring).
+SINGLE_SEGMENT_MODES = ("split", "random_b")
 # Everything that is counted (dropped, repaired or truncated items included).
 COUNTERS = (
     "documents",
@@ -64,6 +79,8 @@ COUNTERS = (
     "instances",
     "instances_truncated",
     "instances_random_b",
+    "instances_split_sentence",
+    "instances_unsplittable",
     "epochs",
 )
 
@@ -277,16 +294,25 @@ def create_instances(
     max_seq_length: int,
     short_seq_prob: float = 0.1,
     objective: str = "sop",
+    single_segment: str = "split",
     counters: Counter | None = None,
 ) -> np.ndarray:
     """One pass (epoch) over all documents -> shuffled instance table [N, 6] int64.
 
     Columns `A_LO, A_HI, B_LO, B_HI` are token ranges into `corpus.tokens` (after truncation),
     `LABEL` the sentence-order / next-sentence label, `KIND` one of IN_ORDER / SWAPPED /
-    RANDOM_B. Counts `instances`, `instances_truncated`, `instances_random_b` in `counters`.
+    RANDOM_B / SPLIT_IN_ORDER / SPLIT_SWAPPED. `single_segment` ("split" | "random_b") is what
+    SOP does with a one-sentence chunk (see the module docstring); "nsp" and "none" ignore it.
+    Counts `instances`, `instances_truncated`, `instances_random_b`,
+    `instances_split_sentence` and `instances_unsplittable` (1-token chunks skipped by "split")
+    in `counters`.
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES} (got {objective!r})")
+    if single_segment not in SINGLE_SEGMENT_MODES:
+        raise ValueError(
+            f"single_segment must be one of {SINGLE_SEGMENT_MODES} (got {single_segment!r})"
+        )
     max_num_tokens = max_seq_length - 3
     if max_num_tokens < 2:
         raise ValueError(f"max_seq_length must be >= 5 (got {max_seq_length})")
@@ -295,14 +321,18 @@ def create_instances(
         raise ValueError("create_instances: the corpus has no documents")
     ss = np.asarray(corpus.sentence_starts)
     ds = np.asarray(corpus.doc_starts)
+    split_single = objective == "sop" and single_segment == "split"
 
     # Per-document draws up front; per-sentence draws (a chunk is keyed by its first sentence,
     # which is unique) for one group of documents at a time, so memory stays bounded and the
-    # Python loop only does integer bookkeeping on plain lists.
+    # Python loop only does integer bookkeeping on plain lists. A one-sentence chunk has no use
+    # for `u_a_end` (A is the whole sentence) nor, in SOP, for `u_coin` (B is random): "split"
+    # draws its cut and its swap from those, so both modes consume the generator identically.
     short = rng.random(n_doc) < short_seq_prob
     targets = np.where(short, rng.integers(2, max_num_tokens + 1, n_doc), max_num_tokens)
     targets = targets.tolist()
     rows: list[tuple[int, int, int, int, int, int]] = []
+    unsplittable = 0
     g0 = 0
     while g0 < n_doc:
         # Documents [g0, g1): at most _SENTENCE_GROUP sentences (at least one document).
@@ -323,6 +353,18 @@ def create_instances(
                 a_end = 1 if n_chunk < 2 else 1 + int(u_a_end[i] * (n_chunk - 1))
                 a_lo, a_hi = base, ss_g[i + a_end]
                 next_i = j + 1
+                if n_chunk == 1 and split_single:
+                    # The sentence's two sides at a uniform boundary: both >= 1 token.
+                    if a_hi - a_lo < 2:
+                        unsplittable += 1
+                    else:
+                        cut = a_lo + 1 + int(u_a_end[i] * (a_hi - a_lo - 1))
+                        if u_coin[i] < 0.5:
+                            rows.append((cut, a_hi, a_lo, cut, 1, SPLIT_SWAPPED))
+                        else:
+                            rows.append((a_lo, cut, cut, a_hi, 0, SPLIT_IN_ORDER))
+                    i = next_i
+                    continue
                 random_b = n_chunk == 1 and objective != "none"
                 if objective == "nsp" and not random_b and u_coin[i] < 0.5:
                     random_b = True
@@ -340,6 +382,11 @@ def create_instances(
                         rows.append((a_lo, a_hi, b_lo, b_hi, 0, IN_ORDER))
                 i = next_i
         g0 = g1
+    if not rows:
+        raise ValueError(
+            f"create_instances: no instance in {n_doc} documents: every chunk is a 1-token "
+            f"sentence, which single_segment='split' cannot cut ({unsplittable} skipped)"
+        )
 
     table = np.array(rows, dtype=np.int64).reshape(-1, 6)
     len_a = table[:, A_HI] - table[:, A_LO]
@@ -347,6 +394,12 @@ def create_instances(
     cut_a, cut_b = truncate_counts(len_a, len_b, max_num_tokens)
     front_a = rng.binomial(cut_a, 0.5)
     front_b = rng.binomial(cut_b, 0.5)
+    # A cut sentence is trimmed only at its outer ends (the front of its first side, the back of
+    # its second), so the pair stays one contiguous window whose A/B boundary is the cut: random
+    # front/back cuts would open a hole between the two sides.
+    kind = table[:, KIND]
+    front_a = np.where(kind == SPLIT_IN_ORDER, cut_a, np.where(kind == SPLIT_SWAPPED, 0, front_a))
+    front_b = np.where(kind == SPLIT_IN_ORDER, 0, np.where(kind == SPLIT_SWAPPED, cut_b, front_b))
     table[:, A_LO] += front_a
     table[:, A_HI] -= cut_a - front_a
     table[:, B_LO] += front_b
@@ -354,7 +407,9 @@ def create_instances(
     if counters is not None:
         counters["instances"] += len(table)
         counters["instances_truncated"] += int(np.count_nonzero(cut_a + cut_b))
-        counters["instances_random_b"] += int(np.count_nonzero(table[:, KIND] == RANDOM_B))
+        counters["instances_random_b"] += int(np.count_nonzero(kind == RANDOM_B))
+        counters["instances_split_sentence"] += int(np.count_nonzero(kind >= SPLIT_IN_ORDER))
+        counters["instances_unsplittable"] += unsplittable
     return table[rng.permutation(len(table))]
 
 
