@@ -37,6 +37,7 @@ setup(
     extras_require={
         "test": [
             "pytest>=8.0",
+            "pytest-timeout>=2.3",
             "ruff>=0.6",
             "scipy>=1.13",
             "scikit-learn>=1.5",
