@@ -33,6 +33,8 @@ setup(
         "absl-py>=2.1.0",
         "numpy>=1.26",
         "tensorboard>=2.18",
+        "matplotlib>=3.9",  # learning-curve plot written at the end of a run
+        "etils[epath]>=1.7",  # workdir I/O on local disks and gs:// alike
     ],
     extras_require={
         "test": [
@@ -44,7 +46,6 @@ setup(
             "nbclient>=0.10",
             "nbformat>=5.10",
             "ipykernel>=6.29",
-            "matplotlib>=3.9",
         ],
         # HF interop: PyTorch CPU build (install torch==2.13.0 first to avoid CUDA wheels).
         # transformers 4.x: v5 dropped load_tf_weights_in_albert and Flax ALBERT (our peers).

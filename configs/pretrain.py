@@ -9,12 +9,17 @@ Arg keys:
 Defaults reproduce the paper (Sec. 4.1): batch 4096, seq 512, 20 predictions, LAMB lr 0.00176,
 3125 warmup steps, 125k steps, linear decay to 0, weight decay 0.01, clip 1.0, no dropout (v2).
 Any field can be overridden afterwards: `--config.batch_size=256 --config.model.dtype=bfloat16`.
+
+size=tiny is the CPU demo: a 2-layer, H=128, E=64 all-shared ALBERT with a 4000-piece tokenizer
+trained on first use, on the shipped demo corpus (seq 64, batch 32, LAMB lr 0.01, 2000 steps);
+about 450 s of CPU time in all, i.e. a few minutes on 2 cores.
 """
 
 from __future__ import annotations
 
 import ml_collections
 
+from albert_jax.config import ModelConfig
 from configs.common import parse_arg
 
 SIZES = ("tiny", "base", "large", "xlarge", "xxlarge")
@@ -28,13 +33,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.size = arg.size  # preset name of albert_jax.ModelConfig
 
-    # --- model: fields of albert_jax.ModelConfig; unset ones come from the size preset.
+    # --- model: fields of albert_jax.ModelConfig. The architecture is spelled out (the official
+    # preset of `size`, or the CPU demo model for tiny) so that every field can be overridden
+    # from the command line (`--config.model.hidden_size=256`) although the config is locked.
+    preset = ModelConfig.preset(arg.size)
     c.model = ml_collections.ConfigDict()
     c.model.sharing = arg.sharing  # which sub-blocks the layers share (all|attention|ffn|none)
-    if arg.embed > 0:
-        c.model.embedding_size = arg.embed  # E of the factorized embedding
-    if tiny:
-        c.model.vocab_size = 8000  # the demo tokenizer is trained to this size on first use
+    # E of the factorized embedding (paper Table 3)
+    c.model.embedding_size = arg.embed if arg.embed > 0 else preset.embedding_size
+    # tiny: the demo tokenizer is trained to this size on first use
+    c.model.vocab_size = 4000 if tiny else preset.vocab_size
+    c.model.hidden_size = 128 if tiny else preset.hidden_size  # H
+    c.model.num_hidden_layers = 2 if tiny else preset.num_hidden_layers  # layer applications
+    c.model.num_attention_heads = 2 if tiny else preset.num_attention_heads  # H / 64 officially
+    c.model.intermediate_size = 512 if tiny else preset.intermediate_size  # FFN width (4H)
+    c.model.max_position_embeddings = preset.max_position_embeddings  # longest seq_len
     c.model.hidden_dropout_prob = 0.0  # v2 models: no dropout (paper Sec. 4.9, official v2)
     c.model.attention_probs_dropout_prob = 0.0  # idem for attention probabilities
     c.model.dtype = "float32"  # compute dtype; bfloat16 on TPU for speed
@@ -51,19 +64,28 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.short_seq_prob = 0.1  # fraction of shorter training sequences (official)
     c.data.masked_lm_prob = 0.15  # masking rate before the max_predictions_per_seq cap
     c.data.max_ngram = 3  # whole-word n-gram masking, n <= 3 with p(n) ~ 1/n
+    # SOP chunk of one sentence: "split" it inside the sentence (balanced labels) or give it a
+    # random-document B with label 1 ("random_b", the official script).
+    c.data.sop_single_segment = "split"
     c.data.num_workers = 0 if tiny else 8  # preprocessing worker processes per host
+    c.data.cache_dir = ml_collections.FieldReference(None, field_type=str)  # tokenized cache
+    c.data.eval_split = "validation"  # held-out split for periodic evaluation
+    # Sentences sampled (per run, weighted over sources) when the run trains its own tokenizer
+    # (data.tokenizer unset): bounds the time; the demo corpus has ~37k sentences.
+    c.data.tokenizer_max_sentences = 100_000 if tiny else 1_000_000
 
     # --- batch shape
-    c.batch_size = 64 if tiny else 4096  # global batch (sequences per step)
-    c.seq_len = 128 if tiny else 512  # tokens per sequence
-    c.max_predictions_per_seq = 20  # the authors used 20 even at 512 (official issue #51)
+    c.batch_size = 32 if tiny else 4096  # global batch (sequences per step)
+    c.seq_len = 64 if tiny else 512  # tokens per sequence
+    # the authors used 20 even at 512 (official issue #51); tiny: 15% of 64
+    c.max_predictions_per_seq = 10 if tiny else 20
     c.microbatches = 1  # gradient accumulation: 4096 sequences on any mesh
 
     # --- optimization (LAMB as the official lamb_optimizer.py)
     c.optimizer = "lamb"  # lamb (pretraining) | adamw
-    c.learning_rate = 0.005 if tiny else 0.00176  # peak LR
-    c.warmup_steps = 100 if tiny else 3125  # linear warmup
-    c.num_train_steps = 1500 if tiny else 125_000  # total steps; linear decay to 0
+    c.learning_rate = 0.01 if tiny else 0.00176  # peak LR
+    c.warmup_steps = 50 if tiny else 3125  # linear warmup
+    c.num_train_steps = 2000 if tiny else 125_000  # total steps; linear decay to 0
     c.lr_poly_power = 1.0  # polynomial decay power (1 = linear)
     c.weight_decay = 0.01  # decoupled decay, not on LayerNorm / bias
     c.grad_clip_norm = 1.0  # global-norm clipping before the optimizer
@@ -79,13 +101,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # --- loop
     c.seed = 0  # params init and data order
-    c.log_every_steps = 25 if tiny else 100  # metrics.jsonl / TensorBoard cadence
+    c.log_every_steps = 50 if tiny else 100  # metrics.jsonl / TensorBoard cadence
     c.eval_every_steps = 250 if tiny else 5000  # held-out MLM/SOP evaluation
-    c.eval_batches = 8 if tiny else 50  # batches per evaluation
+    c.eval_batches = 16 if tiny else 50  # batches per evaluation
     c.checkpoint_every_steps = 500 if tiny else 5000  # async Orbax saves
     c.keep_checkpoints = 3  # keep the last k
     c.resume_from = ml_collections.FieldReference(None, field_type=str)  # another workdir
     c.init_from = ml_collections.FieldReference(None, field_type=str)  # params only
+
+    # --- debugging hooks (0 = off); the tests use them to exercise preemption and crashes
+    c.debug = ml_collections.ConfigDict()
+    c.debug.sigterm_after_step = 0  # the loop sends itself SIGTERM after this step
+    c.debug.sigkill_after_save_at_step = 0  # SIGKILL right after this step's async save starts
+    c.debug.nan_at_step = 0  # this step's batch gets NaN loss weights (divergence handling)
     return c
 
 

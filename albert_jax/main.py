@@ -1,0 +1,114 @@
+"""Entry point: `python -m albert_jax.main --config=configs/pretrain.py:size=tiny --workdir=DIR`.
+
+Pretrains (`train.train_and_evaluate`), or fine-tunes when the config has a `task` field
+(`finetune.finetune_and_evaluate`). Any config field can be overridden with a dotted flag,
+e.g. `--config.batch_size=256 --config.model.dtype=bfloat16`; the config is locked, so a
+misspelt field fails at once.
+
+Multi-host: `jax.distributed.initialize()` runs only when several processes take part: on TPU
+pods (detected from the TPU runtime environment), when `JAX_COORDINATOR_ADDRESS` is set, or with
+`--coordinator_address --num_processes --process_id` (e.g. CPU/GPU hosts or a localhost test).
+A run stopped by SIGTERM (or a TPU preemption notice) saves a checkpoint and exits 0; starting
+the same command again resumes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+FLAGS = flags.FLAGS
+
+config_flags.DEFINE_config_file(
+    "config",
+    None,
+    "Config file with an optional arg, e.g. configs/pretrain.py:size=tiny,objective=sop.",
+    lock_config=True,
+)
+flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, tokenizer, config.")
+flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0 for jax.distributed (multi-host only)."
+)
+flags.DEFINE_integer("num_processes", None, "Number of processes of a multi-host run.")
+flags.DEFINE_integer("process_id", None, "This process's index in a multi-host run.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _tpu_pod_environment() -> bool:
+    """True on a multi-host TPU slice (the TPU runtime lists more than one worker)."""
+    hostnames = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    return len([h for h in hostnames.split(",") if h.strip()]) > 1 or bool(
+        os.environ.get("MEGASCALE_COORDINATOR_ADDRESS")
+    )
+
+
+def initialize_distributed() -> bool:
+    """Calls `jax.distributed.initialize` when several processes take part; returns whether it
+    did. Single-host runs skip it (it would only add a coordinator to wait for)."""
+    import jax
+
+    if FLAGS.coordinator_address or FLAGS.num_processes or FLAGS.process_id is not None:
+        if None in (FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id):
+            raise app.UsageError(
+                "--coordinator_address, --num_processes and --process_id go together"
+            )
+        jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+        return True
+    if os.environ.get("JAX_COORDINATOR_ADDRESS") or _tpu_pod_environment():
+        jax.distributed.initialize()  # arguments come from the environment / TPU metadata
+        return True
+    return False
+
+
+def hide_accelerators_from_tensorflow() -> None:
+    """TensorFlow only reads data here (TFDS); it must not grab GPU memory that JAX needs."""
+    try:
+        import tensorflow as tf
+    except ImportError:
+        return
+    try:
+        tf.config.set_visible_devices([], "GPU")
+        tf.config.set_visible_devices([], "TPU")
+    except (RuntimeError, ValueError):  # already initialized, or no such device type
+        pass
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    hide_accelerators_from_tensorflow()
+    initialize_distributed()
+    import jax
+
+    config = FLAGS.config
+    logging.info(
+        "process %d/%d, %d devices (%s)",
+        jax.process_index(),
+        jax.process_count(),
+        jax.device_count(),
+        jax.devices()[0].device_kind,
+    )
+    if "task" in config:
+        # Fine-tuning lives in its own module (lazy import: pretraining does not need it).
+        from albert_jax import finetune
+
+        result = finetune.finetune_and_evaluate(config, FLAGS.workdir)
+    else:
+        from albert_jax import train
+
+        result = train.train_and_evaluate(config, FLAGS.workdir)
+    if isinstance(result, dict) and result.get("preempted"):
+        logging.warning("stopped by preemption after saving step %s", result.get("step"))
+    logging.info("done: %s", result)
+    sys.stdout.flush()
+
+
+def run() -> None:
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,245 @@
+"""Training metrics: WORKDIR/metrics.jsonl, TensorBoard event files, a progress line, a plot.
+
+Only process 0 writes (`MetricsWriter(..., enabled=jax.process_index() == 0)`); the others
+get a writer that does nothing, so the loop needs no `if process_index == 0` of its own.
+
+metrics.jsonl holds one JSON object per log step (`step`, `loss`, `mlm_loss`, ...; `eval_*` at
+eval steps). Non-finite values are written as null (JSON has no NaN). After a restart from step
+k, `rewind(k)` drops the lines of steps > k, so the file reads like one uninterrupted run.
+TensorBoard events are written with `tensorboard`'s own event writer and protos (no clu). The
+workdir may be a `gs://` path: files go through `etils.epath`, and since object stores cannot
+append, the JSONL is then rewritten whole at each log step (it stays small).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from absl import logging
+from etils import epath
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+LEARNING_CURVE_FILE = "learning_curve.png"
+
+
+def _json_number(value: Any) -> Any:
+    """A JSON-safe scalar: ints stay ints, floats become Python floats, NaN / inf become None."""
+    if value is None or isinstance(value, (bool, str, int)):
+        return value
+    if hasattr(value, "dtype") and np.issubdtype(value.dtype, np.integer):
+        return int(value)
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def is_local(path: str) -> bool:
+    """False for object-store paths (gs://, s3://...), which have no append and no rename."""
+    return "://" not in str(path)
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file (a workdir is accepted too); [] if absent."""
+    file = epath.Path(path)
+    if file.is_dir():
+        file = file / METRICS_FILE
+    if not file.exists():
+        return []
+    return [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+
+
+def _write_lines(path: str, records: Sequence[Mapping[str, Any]]) -> None:
+    """Replaces `path` with these records: temp file + rename locally, one upload remotely
+    (object stores write whole objects atomically)."""
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    if not is_local(path):
+        epath.Path(path).write_text(text)
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=METRICS_FILE + ".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+class MetricsWriter:
+    """Appends metrics of one run to JSONL and TensorBoard.
+
+    Args:
+      workdir: run directory; writes `metrics.jsonl` and `tensorboard/` there.
+      enabled: False on processes other than 0 (every method becomes a no-op).
+    """
+
+    def __init__(self, workdir: str, *, enabled: bool = True):
+        self.enabled = enabled
+        self.path = str(epath.Path(workdir) / METRICS_FILE)
+        self._tb: Any = None
+        self._records: list[dict[str, Any]] | None = None  # kept only for remote workdirs
+        if not enabled:
+            return
+        epath.Path(workdir).mkdir(parents=True, exist_ok=True)
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        # Through tf.io.gfile when TensorFlow is installed, so gs:// works as well.
+        self._tb = EventFileWriter(str(epath.Path(workdir) / TENSORBOARD_DIR))
+        if not is_local(self.path):
+            self._records = read_metrics(self.path)
+
+    def rewind(self, step: int) -> int:
+        """Drops records with step > `step` (they belong to work lost in a crash); returns how
+        many were dropped. The file is replaced atomically."""
+        if not self.enabled:
+            return 0
+        records = self._records if self._records is not None else read_metrics(self.path)
+        kept = [r for r in records if int(r.get("step", 0)) <= step]
+        if self._records is not None:
+            self._records = kept
+        if len(kept) == len(records):
+            return 0
+        _write_lines(self.path, kept)
+        return len(records) - len(kept)
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """One record: {"step": step, **metrics} to JSONL (flushed) and scalars to TensorBoard."""
+        if not self.enabled:
+            return
+        record = {"step": int(step), **{k: _json_number(v) for k, v in metrics.items()}}
+        if self._records is None:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+        else:  # object stores cannot append: rewrite (a few hundred lines at most)
+            self._records.append(record)
+            _write_lines(self.path, self._records)
+        self._write_tensorboard(int(step), record)
+
+    def _write_tensorboard(self, step: int, record: Mapping[str, Any]) -> None:
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+
+        values = [
+            summary_pb2.Summary.Value(tag=key, simple_value=float(value))
+            for key, value in record.items()
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
+        ]
+        if values:
+            summary = summary_pb2.Summary(value=values)
+            self._tb.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def format_duration(seconds: float) -> str:
+    """3725 -> "1h02m", 252 -> "4m12s", 7 -> "7s"."""
+    seconds = max(0, int(round(seconds)))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
+
+
+def progress_line(step: int, total: int, metrics: Mapping[str, Any], eta_seconds: float | None):
+    """`step 250/1500 | loss 6.12 | mlm_acc 0.14 | sop_acc 0.71 | 812 ex/s | MFU 3.1% | ETA 4m12s`
+    (parts whose value is missing are left out; eval results are appended)."""
+
+    def number(key: str, fmt: str) -> str | None:
+        value = metrics.get(key)
+        if value is None or (isinstance(value, float) and not math.isfinite(value)):
+            return None
+        return fmt.format(value)
+
+    parts = [f"step {step}/{total}"]
+    for label, key, fmt in (
+        ("loss", "loss", "{:.3f}"),
+        ("mlm_acc", "mlm_accuracy", "{:.3f}"),
+        ("sop_acc", "sop_accuracy", "{:.3f}"),
+    ):
+        text = number(key, fmt)
+        if text is not None:
+            parts.append(f"{label} {text}")
+    if (rate := number("examples_per_sec", "{:.0f}")) is not None:
+        parts.append(f"{rate} ex/s")
+    if (mfu := metrics.get("mfu")) is not None and math.isfinite(mfu):
+        parts.append(f"MFU {100 * mfu:.1f}%")
+    if eta_seconds is not None:
+        parts.append(f"ETA {format_duration(eta_seconds)}")
+    if (eval_loss := number("eval_loss", "{:.3f}")) is not None:
+        parts.append(
+            f"eval loss {eval_loss} mlm_acc {metrics.get('eval_mlm_accuracy', 0):.3f} "
+            f"sop_acc {metrics.get('eval_sop_accuracy', 0):.3f}"
+        )
+    return " | ".join(parts)
+
+
+def _series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    steps, values = [], []
+    for r in records:
+        if r.get(key) is not None:
+            steps.append(int(r["step"]))
+            values.append(float(r[key]))
+    return steps, values
+
+
+def plot_learning_curve(workdir: str, out_path: str | None = None) -> str | None:
+    """Plots metrics.jsonl: train/eval loss (left), eval MLM and SOP accuracy with the
+    most-frequent-token and majority-label baselines (right). Returns the PNG path, or None
+    when there is nothing to plot."""
+    records = read_metrics(workdir)
+    if not records:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training machines
+    import matplotlib.pyplot as plt
+
+    out_path = out_path or str(epath.Path(workdir) / LEARNING_CURVE_FILE)
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in (("loss", "train loss"), ("eval_loss", "eval loss")):
+        steps, values = _series(records, key)
+        if steps:
+            ax_loss.plot(steps, values, marker="o" if key.startswith("eval") else None, label=label)
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("MLM + SOP loss")
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+    for key, label in (
+        ("mlm_accuracy", "train MLM acc"),
+        ("eval_mlm_accuracy", "eval MLM acc"),
+        ("eval_sop_accuracy", "eval SOP acc"),
+    ):
+        steps, values = _series(records, key)
+        if steps:
+            ax_acc.plot(steps, values, marker="o" if key.startswith("eval") else None, label=label)
+    for key, label, style in (
+        ("eval_mlm_majority_accuracy", "most frequent token", ":"),
+        ("eval_sop_majority_accuracy", "SOP majority label", "--"),
+    ):
+        _, values = _series(records, key)
+        if values:
+            ax_acc.axhline(values[-1], linestyle=style, color="gray", label=label)
+    ax_acc.set_xlabel("step")
+    ax_acc.set_ylabel("accuracy")
+    ax_acc.set_ylim(0, 1)
+    ax_acc.legend(fontsize=8)
+    ax_acc.grid(alpha=0.3)
+    fig.suptitle(epath.Path(workdir).name)
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    epath.Path(out_path).write_bytes(png.getvalue())
+    plt.close(fig)
+    logging.info("learning curve written to %s", out_path)
+    return out_path
