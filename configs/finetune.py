@@ -1,0 +1,142 @@
+"""ALBERT fine-tuning config: `--config=configs/finetune.py:task=NAME,init=PATH`.
+
+Arg keys:
+  task   a GLUE task (cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte), squad_v1, squad_v2, race,
+         or a local task (sentiment_rt, sentiment_rt_score, nli_vitaminc, mc_cosmosqa,
+         squad_shifts)
+  init   checkpoint to start from: an albert_jax workdir / step dir / model dir, an HF dir or an
+         official TF1 dir (anything `albert_jax.load_pretrained` reads); empty = from scratch
+         (a baseline: `size` preset + `data.tokenizer`)
+
+GLUE, SQuAD and RACE presets are the paper's (Table 14 = the official run_glue.sh; SQuAD and
+RACE from the official README; see ALBERT_REFERENCE.md Sec. 7): learning rate, batch, steps,
+warmup, max length and ALBERT dropout; classifier dropout 0.1 everywhere; AdamW (eps 1e-6,
+weight decay 0.01, no decay on LayerNorm / bias), linear warmup then linear decay, clip 1.0.
+Local-task presets are sized for a small model on a CPU.
+
+Local tasks read `--config.data.train_files=... --config.data.eval_files=...` (a path, glob or
+comma-separated list); catalog tasks read TFDS (`--config.data.data_dir`). squad_v1 / squad_v2
+read SQuAD JSON files instead when data.train_files / data.eval_files are set.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from configs.common import parse_arg
+
+# name: (learning_rate, batch_size, num_train_steps, warmup_steps, max_seq_length, dropout);
+# dropout is ALBERT's hidden / attention dropout (the classifier's is 0.1 regardless).
+GLUE_PRESETS: dict[str, tuple[float, int, int, int, int, float]] = {
+    "cola": (1e-5, 16, 5336, 320, 512, 0.0),
+    "stsb": (2e-5, 16, 3598, 214, 512, 0.0),
+    "sst2": (1e-5, 32, 20935, 1256, 512, 0.0),
+    "mnli": (3e-5, 128, 10000, 1000, 512, 0.0),
+    "qnli": (1e-5, 32, 33112, 1986, 512, 0.0),
+    "qqp": (5e-5, 128, 14000, 1000, 512, 0.1),
+    "rte": (3e-5, 32, 800, 200, 512, 0.1),
+    "mrpc": (2e-5, 32, 800, 200, 512, 0.0),
+}
+# Local sets (shared/data/tasks), sized for a tiny model on CPU: a few epochs at most.
+LOCAL_PRESETS: dict[str, tuple[float, int, int, int, int, float]] = {
+    "sentiment_rt": (3e-4, 32, 800, 80, 64, 0.0),  # ~3 epochs
+    "sentiment_rt_score": (3e-4, 32, 800, 80, 64, 0.0),
+    "nli_vitaminc": (3e-4, 32, 2000, 200, 128, 0.0),  # ~1.5 epochs
+    "mc_cosmosqa": (3e-4, 16, 650, 65, 128, 0.0),  # ~2 epochs
+    "squad_shifts": (3e-4, 16, 600, 60, 192, 0.0),
+}
+TASKS = (*GLUE_PRESETS, "squad_v1", "squad_v2", "race", *LOCAL_PRESETS)
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    arg = parse_arg(arg, task="", init="")
+    if arg.task not in TASKS:
+        raise ValueError(f"config arg task={arg.task!r} is not one of {TASKS}")
+    task = arg.task
+    c = ml_collections.ConfigDict()
+    c.task = task  # what to fine-tune on (see albert_jax.finetune.TASKS)
+    c.init = arg.init  # checkpoint (albert_jax / HF / TF1); "" = random init (baseline)
+    c.size = "base"  # ModelConfig preset, used only when init is empty
+
+    # --- model: ModelConfig fields applied on top of the checkpoint's (dropout, dtypes, ...)
+    c.model = ml_collections.ConfigDict()
+    c.model.hidden_dropout_prob = 0.0  # ALBERT dropout (paper: 0 for v2 models; 0.1 QQP/RTE)
+    c.model.attention_probs_dropout_prob = 0.0  # dropout on attention probabilities
+    c.model.dtype = "float32"  # compute dtype; bfloat16 on TPU for speed
+    c.classifier_dropout = 0.1  # dropout before the task head (official keep_prob 0.9)
+
+    # --- data
+    c.data = ml_collections.ConfigDict()
+    c.data.train_files = ""  # local tasks / SQuAD JSON: path, glob or comma-separated list
+    c.data.eval_files = ""  # idem for evaluation
+    c.data.data_dir = ml_collections.FieldReference(None, field_type=str)  # TFDS data dir
+    c.data.train_split = "train"  # TFDS split to train on
+    c.data.eval_split = "validation"  # TFDS split(s) to evaluate on (comma-separated)
+    c.data.race_levels = "middle,high"  # RACE levels read (the paper trains on both)
+    c.data.tokenizer = ml_collections.FieldReference(None, field_type=str)  # spm override
+    c.data.max_train_examples = 0  # keep only the first N training examples (0 = all)
+    c.data.max_eval_examples = 0  # keep only the first N evaluation examples (0 = all)
+
+    # --- featurization
+    c.max_seq_length = 512  # tokens per sequence (per option for multiple choice)
+    c.max_qa_length = 128  # multiple choice: tokens kept of question+option (official RACE)
+    c.max_query_length = 64  # SQuAD: tokens kept of the question
+    c.doc_stride = 128  # SQuAD: tokens between the starts of consecutive context windows
+    c.max_answer_length = 30  # SQuAD: longest predicted answer, in tokens
+    c.n_best_size = 20  # SQuAD: candidates kept per question
+    c.start_n_top = 5  # SQuAD v2 beam: best starts
+    c.end_n_top = 5  # SQuAD v2 beam: best ends per start
+    c.null_threshold = 0.5  # SQuAD v2: answer "" when P(no answer) exceeds this
+
+    # --- optimization (official AdamW, optimization.py)
+    c.optimizer = "adamw"  # adamw (fine-tuning) | lamb
+    c.learning_rate = 1e-5  # peak learning rate
+    c.batch_size = 32  # global batch (examples per step)
+    c.eval_batch_size = 32  # global evaluation batch (padded; any size divisible by devices)
+    c.num_train_steps = 1000  # total updates (overridden by num_train_epochs > 0)
+    c.num_train_epochs = 0.0  # > 0: steps = epochs * training features / batch_size
+    c.warmup_steps = 100  # linear warmup (overridden by warmup_fraction > 0)
+    c.warmup_fraction = 0.0  # > 0: warmup = fraction * num_train_steps
+    c.lr_poly_power = 1.0  # decay power after warmup (1 = linear to 0)
+    c.weight_decay = 0.01  # decoupled decay, not on LayerNorm / bias
+    c.grad_clip_norm = 1.0  # global-norm clipping (official)
+    c.b1 = 0.9  # Adam beta1
+    c.b2 = 0.999  # Adam beta2
+    c.eps = 1e-6  # Adam epsilon (official)
+
+    # --- mesh: (data, fsdp, tensor); -1 fills with the remaining devices
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1  # data-parallel replicas
+    c.mesh.fsdp = 1  # parameter/optimizer sharding
+    c.mesh.tensor = 1  # tensor parallel (heads, mlp, vocab)
+
+    # --- loop
+    c.seed = 0  # head init, dropout and data order
+    c.log_every_steps = 50  # metrics.jsonl cadence
+    c.eval_every_steps = 0  # evaluate every N steps too (0: only at the end)
+    c.checkpoint_every_steps = 0  # save every N steps too (0: only at the end)
+    c.keep_checkpoints = 1  # checkpoints kept
+
+    if task in GLUE_PRESETS or task in LOCAL_PRESETS:
+        lr, batch, steps, warmup, length, dropout = {**GLUE_PRESETS, **LOCAL_PRESETS}[task]
+        c.learning_rate, c.batch_size, c.eval_batch_size = lr, batch, max(batch, 32)
+        c.num_train_steps, c.warmup_steps, c.max_seq_length = steps, warmup, length
+        c.model.hidden_dropout_prob = c.model.attention_probs_dropout_prob = dropout
+    if task == "mnli":
+        c.data.eval_split = "validation_matched,validation_mismatched"  # both dev sets
+    if task in ("squad_v1", "squad_v2"):
+        # README: lr 5e-5, batch 48, 2 epochs, 10% warmup, 384 tokens (the paper's SQuAD 2.0
+        # xxlarge run used 3e-5, 8144 steps, 814 warmup, 512 tokens).
+        c.learning_rate, c.batch_size, c.eval_batch_size = 5e-5, 48, 48
+        c.num_train_epochs, c.warmup_fraction, c.max_seq_length = 2.0, 0.1, 384
+    if task == "race":
+        # README for v2 models: lr 1e-5, ALBERT dropout 0 (v1 settings diverge), batch 32,
+        # 12000 steps, 1000 warmup, 512 tokens, question+option cut to 128.
+        c.learning_rate, c.batch_size, c.eval_batch_size = 1e-5, 32, 32
+        c.num_train_steps, c.warmup_steps, c.max_seq_length = 12000, 1000, 512
+        c.data.eval_split = "dev"  # RACE's TFDS dev split
+    if task == "mc_cosmosqa":
+        c.max_qa_length = 48  # question+option: CosmosQA options are one sentence
+    if task == "squad_shifts":
+        c.max_query_length, c.doc_stride = 32, 64  # 192-token windows on CPU
+    return c
