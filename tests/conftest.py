@@ -30,3 +30,25 @@ def shared_data() -> str:
     if not os.path.isdir(SHARED_DATA):
         pytest.fail(f"shared data not found at {SHARED_DATA}; set ALBERT_SHARED_DATA")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory, shared_data):
+    """A real unigram model (vocab 3000) on Brown + Austen text, trained once per session and
+    shared by the data tests (test_heads defines its own, smaller one)."""
+    import itertools
+
+    from albert_jax.data import pretraining, sentences
+    from albert_jax.data.tokenizer import Tokenizer, train_tokenizer
+
+    path = tmp_path_factory.getbasetemp() / "albert_spm" / "spm"
+    if not os.path.exists(str(path) + ".model"):
+        texts = []
+        for name in ("brown", "austen"):
+            docs = pretraining.iter_jsonl_documents(
+                os.path.join(shared_data, "corpora", f"{name}.jsonl.gz")
+            )
+            for doc in itertools.islice(docs, 60):
+                texts.extend(sentences.split_sentences(doc["text"]))
+        train_tokenizer(texts, str(path), vocab_size=3000, max_sentences=15000)
+    return Tokenizer(str(path) + ".model")

@@ -14,25 +14,9 @@ import pytest
 
 from albert_jax.data import pipeline, pretraining, sentences
 from albert_jax.data.pipeline import DataConfig, DocumentSource, PretrainingIterator
-from albert_jax.data.tokenizer import Tokenizer, train_tokenizer
+from albert_jax.data.tokenizer import Tokenizer
 
 KEYS_INT = ("input_ids", "segment_ids", "input_mask", "masked_lm_positions", "masked_lm_ids")
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tmp_path_factory, shared_data) -> Tokenizer:
-    """The session's real unigram model (same file as in test_tokenizer: trained once)."""
-    path = tmp_path_factory.getbasetemp() / "albert_spm" / "spm"
-    if not os.path.exists(str(path) + ".model"):
-        texts = []
-        for name in ("brown", "austen"):
-            docs = pretraining.iter_jsonl_documents(
-                os.path.join(shared_data, "corpora", f"{name}.jsonl.gz")
-            )
-            for doc in itertools.islice(docs, 60):
-                texts.extend(sentences.split_sentences(doc["text"]))
-        train_tokenizer(texts, str(path), vocab_size=3000, max_sentences=15000)
-    return Tokenizer(str(path) + ".model")
 
 
 def jsonl_source(shared_data: str, name: str, num_docs: int, weight: float = 1.0):

@@ -12,23 +12,6 @@ import pytest
 
 from albert_jax.data import masking, pretraining, reference_masking, sentences
 from albert_jax.data.pretraining import A_HI, A_LO, B_HI, B_LO, KIND, LABEL
-from albert_jax.data.tokenizer import Tokenizer, train_tokenizer
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tmp_path_factory, shared_data) -> Tokenizer:
-    """The session's real unigram model (same file as in test_tokenizer: trained once)."""
-    path = tmp_path_factory.getbasetemp() / "albert_spm" / "spm"
-    if not os.path.exists(str(path) + ".model"):
-        texts = []
-        for name in ("brown", "austen"):
-            docs = pretraining.iter_jsonl_documents(
-                os.path.join(shared_data, "corpora", f"{name}.jsonl.gz")
-            )
-            for doc in itertools.islice(docs, 60):
-                texts.extend(sentences.split_sentences(doc["text"]))
-        train_tokenizer(texts, str(path), vocab_size=3000, max_sentences=15000)
-    return Tokenizer(str(path) + ".model")
 
 
 @pytest.fixture(scope="module")

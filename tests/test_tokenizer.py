@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 import subprocess
 import sys
@@ -13,7 +12,6 @@ import pytest
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2
 
-from albert_jax.data import pretraining, sentences
 from albert_jax.data.tokenizer import (
     Tokenizer,
     _atomic_write,
@@ -24,25 +22,6 @@ from albert_jax.data.tokenizer import (
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _trained_model(tmp_path_factory, shared_data) -> str:
-    """A real unigram model (vocab 3000) on Brown + Austen text, trained once per session."""
-    path = tmp_path_factory.getbasetemp() / "albert_spm" / "spm"
-    if not os.path.exists(str(path) + ".model"):
-        corpora = os.path.join(shared_data, "corpora")
-        texts = []
-        for name in ("brown", "austen"):
-            docs = pretraining.iter_jsonl_documents(os.path.join(corpora, f"{name}.jsonl.gz"))
-            for doc in itertools.islice(docs, 60):
-                texts.extend(sentences.split_sentences(doc["text"]))
-        train_tokenizer(texts, str(path), vocab_size=3000, max_sentences=15000)
-    return str(path) + ".model"
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tmp_path_factory, shared_data) -> Tokenizer:
-    return Tokenizer(_trained_model(tmp_path_factory, shared_data))
 
 
 @pytest.mark.parametrize(
