@@ -105,7 +105,9 @@ class Dense(nn.Module):
     use_bias: bool = True
 
     @nn.compact
-    def __call__(self, x: Array, layer_idx: Array | int | None = None) -> Array:
+    def weights(self, layer_idx: Array | int | None = None) -> tuple[Array, Array | None]:
+        """(kernel [*in_shape, *out_shape], bias [*out_shape] or None) of this layer, in the
+        compute dtype. Callers that fuse several projections into one matmul use this."""
         cfg = self.config
         n_in = len(self.in_shape)
         kernel = _stacked_param(
@@ -118,20 +120,26 @@ class Dense(nn.Module):
             cfg.weight_dtype,
         )
         kernel = _select_layer(kernel, self.stack, layer_idx).astype(cfg.compute_dtype)
+        if not self.use_bias:
+            return kernel, None
+        bias = _stacked_param(
+            self,
+            "bias",
+            nn.initializers.zeros_init(),
+            self.out_shape,
+            self.axes[n_in:],
+            self.stack,
+            cfg.weight_dtype,
+        )
+        return kernel, _select_layer(bias, self.stack, layer_idx).astype(cfg.compute_dtype)
+
+    def __call__(self, x: Array, layer_idx: Array | int | None = None) -> Array:
+        """x [..., *in_shape] -> [..., *out_shape]."""
+        kernel, bias = self.weights(layer_idx)
+        n_in = len(self.in_shape)
         contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-        y = jax.lax.dot_general(x.astype(cfg.compute_dtype), kernel, (contract, ((), ())))
-        if self.use_bias:
-            bias = _stacked_param(
-                self,
-                "bias",
-                nn.initializers.zeros_init(),
-                self.out_shape,
-                self.axes[n_in:],
-                self.stack,
-                cfg.weight_dtype,
-            )
-            y = y + _select_layer(bias, self.stack, layer_idx).astype(cfg.compute_dtype)
-        return y
+        y = jax.lax.dot_general(x.astype(kernel.dtype), kernel, (contract, ((), ())))
+        return y if bias is None else y + bias
 
 
 class LayerNorm(nn.Module):
@@ -248,21 +256,31 @@ class SelfAttention(nn.Module):
         cfg = self.config
         H, N, D = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
 
-        def project(name: str) -> Array:
-            y = Dense((H,), (N, D), ("embed", "heads", "kv"), cfg, self.stack, name=name)
-            return checkpoint_name(y(x, layer_idx), f"{name}_proj")  # [B,S,N,D]
-
-        q, k, v = project("query"), project("key"), project("value")
-        dropout_on = not deterministic and cfg.attention_probs_dropout_prob > 0.0
-        if dropout_on:
-            # The fused kernel has no attention-probability dropout; spell the math out.
-            scores = jnp.einsum("bqnd,bknd->bnqk", q, k) / jnp.sqrt(D).astype(q.dtype)
-            scores = jnp.where(mask, scores, jnp.asarray(MASK_ADDER, scores.dtype))
-            probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+        # Q, K and V keep their own (official) parameters but run as one [H, 3N·D] matmul: a
+        # bigger GEMM is faster on every backend, and fewer, larger ops in the backward pass too.
+        weights = [
+            Dense((H,), (N, D), ("embed", "heads", "kv"), cfg, self.stack, name=name).weights(
+                layer_idx
+            )
+            for name in ("query", "key", "value")
+        ]
+        # Stacked on a new axis (not concatenated along heads) so that a tensor-parallel heads
+        # sharding carries over unchanged.
+        kernel = jnp.stack([w for w, _ in weights], axis=1)  # [H, 3, N, D]
+        bias = jnp.stack([b for _, b in weights], axis=0)[:, None, :, None, :]  # [3, 1, N, 1, D]
+        # Heads before positions ([B, N, S, D]): both attention matmuls are then plain batched
+        # GEMMs over (B, N) without transposes (2x faster on CPU than [B, S, N, D]).
+        qkv = jnp.einsum("bsh,hcnd->cbnsd", x.astype(cfg.compute_dtype), kernel) + bias
+        q, k, v = (
+            checkpoint_name(qkv[i], f"{name}_proj")
+            for i, name in enumerate(("query", "key", "value"))
+        )
+        scores = jnp.einsum("bnqd,bnkd->bnqk", q, k) / jnp.sqrt(D).astype(q.dtype)
+        scores = jnp.where(mask, scores, jnp.asarray(MASK_ADDER, scores.dtype))
+        probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+        if not deterministic and cfg.attention_probs_dropout_prob > 0.0:
             probs = nn.Dropout(cfg.attention_probs_dropout_prob)(probs, deterministic=False)
-            context = jnp.einsum("bnqk,bknd->bqnd", probs, v)
-        else:
-            context = jax.nn.dot_product_attention(q, k, v, mask=mask)  # [B,S,N,D]
+        context = jnp.einsum("bnqk,bnkd->bqnd", probs, v)  # [B, S, N, D]
         out = Dense((N, D), (H,), ("heads", "kv", "embed"), cfg, self.stack, name="output")
         out = checkpoint_name(out(context, layer_idx), "attention_out")
         out = nn.Dropout(cfg.hidden_dropout_prob)(out, deterministic=deterministic)
