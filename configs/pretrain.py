@@ -68,6 +68,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # random-document B with label 1 ("random_b", the official script).
     c.data.sop_single_segment = "split"
     c.data.num_workers = 0 if tiny else 8  # preprocessing worker processes per host
+    # Data shards (0 = one per process, recorded in checkpoints): the global batch depends on
+    # this, not on the process count; a multiple of the process count that divides batch_size.
+    c.data.num_shards = 0
     c.data.cache_dir = ml_collections.FieldReference(None, field_type=str)  # tokenized cache
     c.data.eval_split = "validation"  # held-out split for periodic evaluation
     # Sentences sampled (per run, weighted over sources) when the run trains its own tokenizer
@@ -93,11 +96,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.b2 = 0.999  # LAMB beta2
     c.eps = 1e-6  # LAMB epsilon
 
-    # --- mesh: (data, fsdp, tensor); -1 fills with the remaining devices
+    # --- mesh: (data, fsdp, tensor); -1 fills with the remaining devices. Why per size:
+    # tiny..large: data parallel (weights, gradients, LAMB state <= 0.3 GB; one all-reduce a step);
+    # xlarge: FSDP over all devices (else 0.9 GB of weights, gradients and LAMB state on each);
+    # xxlarge: FSDP + 4-way tensor parallel (a host's 4 chips) that also splits its 16k-wide FFN.
+    data, fsdp, tensor = {
+        "tiny": (-1, 1, 1), "base": (-1, 1, 1), "large": (-1, 1, 1), "xlarge": (1, -1, 1),
+        "xxlarge": (1, -1, 4),
+    }[arg.size]  # fmt: skip
     c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1  # data-parallel replicas
-    c.mesh.fsdp = 1  # parameter/optimizer sharding
-    c.mesh.tensor = 1  # tensor parallel (heads, mlp, vocab)
+    c.mesh.data = data  # data-parallel replicas
+    c.mesh.fsdp = fsdp  # parameter/optimizer sharding (the batch is split over it too)
+    c.mesh.tensor = tensor  # tensor parallel (heads, mlp, vocab)
 
     # --- loop
     c.seed = 0  # params init and data order

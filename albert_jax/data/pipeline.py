@@ -1,28 +1,40 @@
 """Deterministic, resumable, per-host pretraining batches.
 
-The batch of global step `s` on process `p` is a pure function of
-`(seed, s, p, process_count)` (and of the config and data):
+The data is cut into `num_shards` shards (`config.data.num_shards`; 0 = one per process). The
+global batch of step `s` is the concatenation, in shard order, of the shards' batches, and the
+batch of shard `i` is a pure function of `(seed, s, i, num_shards)` (and of the config and
+data). Process `p` of `n` reads the contiguous shards `[p·k, (p+1)·k)`, `k = num_shards / n`
+(`ShardedIterator`), so the global batch does not depend on the number of processes: one
+process with two shards sees exactly the batches that two processes with one shard each see
+together, and a checkpoint of one layout resumes in the other.
 
-* **Tokenized cache.** Each source's documents of this process's shard
-  (`iter_documents(..., shard_index=p, shard_count=process_count)`, so processes read disjoint
+One shard (`PretrainingIterator`, whose `process_index` / `process_count` name the shard):
+
+* **Tokenized cache.** Each source's documents of the shard
+  (`iter_documents(..., shard_index=i, shard_count=num_shards)`, so shards hold disjoint
   documents) are sentence-split and tokenized once into `.npy` files under
-  `cache_dir/<source>.<inputs hash>.<split>.<p>-of-<n>.<tokenizer hash>.v<version>/` (written
+  `cache_dir/<source>.<inputs hash>.<split>.<i>-of-<n>.<tokenizer hash>.v<version>/` (written
   to a temp dir and renamed: racing processes are safe). Later runs memory-map them.
 * **Epochs.** Source `k`'s instance stream is the concatenation of epochs; epoch `e` is
-  `pretraining.create_instances` with a generator seeded by `(seed, k, p, e)`, i.e. new
+  `pretraining.create_instances` with a generator seeded by `(seed, k, i, e)`, i.e. new
   instance boundaries, SOP swaps and random B segments each epoch (like `dupe_factor`, but
   unbounded), shuffled.
-* **Mixture.** Example slot `i = s * B + j` (B = per-host batch) draws its source from a
-  generator seeded per block of 65536 slots with `(seed, p, block)`; so the number of examples
+* **Mixture.** Example slot `j = s * b + r` (b = per-shard batch) draws its source from a
+  generator seeded per block of 65536 slots with `(seed, i, block)`; so the number of examples
   each source has served before any step is computable without replaying the run.
 * **Masking.** The n-gram masks of step `s` are drawn from a generator seeded by
-  `(seed, p, s)`: every visit of an instance gets a fresh mask, and the batch does not depend on
+  `(seed, i, s)`: every visit of an instance gets a fresh mask, and the batch does not depend on
   the number of worker processes (a worker builds whole batches).
 
 State (`get_state()`) is a small JSON-able dict: the next step plus, per source, the examples
 served and the current epoch and its first position, so a restore does not rebuild earlier
 epochs. `PretrainingIterator(..., start_step=k)` without a state reaches the same position by
 counting (it rebuilds the epoch tables up to there, which is cheap for small corpora).
+`ShardedIterator` states hold one such state per shard.
+
+Held-out batches (`EvalBatches`) come from the same machinery with another seed; a shard
+without held-out documents (more shards than validation documents) yields padding rows with
+`example_weight` 0, so every process runs the same number of evaluation steps.
 """
 
 from __future__ import annotations
@@ -52,7 +64,9 @@ MIX_BLOCK = 1 << 16
 # Stream tags keep the generators of different purposes independent.
 _TAG_EPOCH, _TAG_MIX, _TAG_MASK = 1, 2, 3
 _EVAL_SEED_OFFSET = 0x5EED
-_NOT_SEMANTIC = ("sources", "data_dir", "cache_dir", "num_workers", "prefetch")
+# Not part of a shard's fingerprint: where files live, how many workers build batches, and
+# `num_shards` (the shard index and count are fingerprinted on their own).
+_NOT_SEMANTIC = ("sources", "data_dir", "cache_dir", "num_workers", "prefetch", "num_shards")
 
 
 @dataclass(frozen=True)
@@ -61,7 +75,7 @@ class DataConfig:
 
     seq_len: int = 512  # tokens per sequence S
     max_predictions_per_seq: int = 20  # P
-    batch_size: int = 4096  # global batch; each of `process_count` hosts makes batch/n
+    batch_size: int = 4096  # global batch; each of the `num_shards` shards makes batch/n
     objective: str = "sop"  # sop | nsp | none
     # SOP's one-sentence chunks: "split" (cut the sentence in two; balanced labels) or
     # "random_b" (the reference: B from another document, label 1). See pretraining.py.
@@ -75,6 +89,9 @@ class DataConfig:
     cache_dir: str | None = None  # tokenized cache; default <data_dir>/albert_jax_cache
     num_workers: int = 0  # batch/tokenization worker processes (0 = in this process)
     prefetch: int = 2  # batches in flight per worker
+    # Data shards (0 = one per process). Fixing it makes the global batch independent of the
+    # number of processes; it must be a multiple of the process count and divide batch_size.
+    num_shards: int = 0
 
     # (config field, DataConfig field): looked up in `config.data` first, then `config`.
     _ALIASES = {"max_ngram": "ngram"}
@@ -85,7 +102,7 @@ class DataConfig:
 
         Top-level: seq_len, max_predictions_per_seq, batch_size, objective, seed. In `data`
         (or top-level): sources, data_dir, cache_dir, short_seq_prob, masked_lm_prob,
-        max_ngram (or ngram), sop_single_segment, num_workers, prefetch.
+        max_ngram (or ngram), sop_single_segment, num_workers, prefetch, num_shards.
         """
         values: dict[str, Any] = {}
         data = _get(config, "data")
@@ -102,6 +119,10 @@ class DataConfig:
         cfg = cls(**values)
         cfg.validate()
         return cfg
+
+    def shard_count(self, process_count: int = 1) -> int:
+        """Number of data shards of a run with `process_count` processes."""
+        return self.num_shards or process_count
 
     def validate(self, process_count: int = 1) -> None:
         if self.objective not in pretraining.OBJECTIVES:
@@ -125,10 +146,20 @@ class DataConfig:
             raise ValueError(f"masked_lm_prob must be in [0, 1] (got {self.masked_lm_prob})")
         if self.ngram < 1:
             raise ValueError(f"ngram (max_ngram) must be >= 1 (got {self.ngram})")
-        if self.batch_size < 1 or self.batch_size % process_count:
+        if self.num_shards < 0:
             raise ValueError(
-                f"batch_size={self.batch_size} must be a positive multiple of "
-                f"process_count={process_count}"
+                f"num_shards must be >= 0 (0 = one per process), got {self.num_shards}"
+            )
+        shards = self.shard_count(process_count)
+        if shards % process_count:
+            raise ValueError(
+                f"num_shards={self.num_shards} must be a multiple of process_count="
+                f"{process_count}: every process reads the same number of data shards"
+            )
+        if self.batch_size < 1 or self.batch_size % shards:
+            raise ValueError(
+                f"batch_size={self.batch_size} must be a positive multiple of the number of data "
+                f"shards {shards} (num_shards={self.num_shards}, process_count={process_count})"
             )
         if self.num_workers < 0:
             raise ValueError(f"num_workers must be >= 0 (got {self.num_workers})")
@@ -143,6 +174,10 @@ def _get(obj: Any, name: str) -> Any:
         return getattr(obj, name)
     except (AttributeError, KeyError):
         return None
+
+
+class EmptyShardError(ValueError):
+    """A data shard holds no non-empty document (more shards than documents in a split)."""
 
 
 @dataclass(frozen=True)
@@ -257,10 +292,10 @@ def load_tokenized(
 
             corpus = pretraining.concat_documents(tokenized(), tokenizer.vocab_size)
             if corpus.num_documents == 0:
-                raise ValueError(
+                raise EmptyShardError(
                     f"source {source.name!r} split {split!r} shard {shard_index}/{shard_count} "
-                    f"has no non-empty document ({dict(counters)}); use fewer processes or "
-                    "more data"
+                    f"has no non-empty document ({dict(counters)}); use fewer data shards "
+                    "(config.data.num_shards, processes) or more data"
                 )
             counters["tokens"] = len(corpus.tokens)
             corpus.save(tmp)
@@ -283,6 +318,14 @@ def load_tokenized(
 # --------------------------------------------------------------------------------------------
 # Instance streams and the source mixture
 # --------------------------------------------------------------------------------------------
+
+
+def _cache_dir(cfg: DataConfig) -> str:
+    """`cfg.cache_dir`, else `<data_dir>/albert_jax_cache` (`~/.cache/albert_jax/...` without)."""
+    return cfg.cache_dir or os.path.join(
+        cfg.data_dir or os.path.join(os.path.expanduser("~"), ".cache", "albert_jax"),
+        "albert_jax_cache",
+    )
 
 
 def _stable_id(name: str) -> int:
@@ -454,10 +497,17 @@ class BatchBuilder:
 
 
 class PretrainingIterator:
-    """Endless iterator of per-host batches (DESIGN.md batch contract).
+    """Endless iterator of one data shard's batches (DESIGN.md batch contract).
+
+    `process_index` / `process_count` name the shard and the number of shards: with one shard
+    per process (the default) that is the process; `ShardedIterator` gives a process several.
+    Each batch holds `batch_size / process_count` sequences.
 
     `get_state()` returns a JSON-able dict to save with a checkpoint; `set_state(state)` makes
     the next batch the one an uninterrupted run would produce after that checkpoint.
+
+    Raises:
+      EmptyShardError: a source has no document in this shard of `split`.
     """
 
     def __init__(
@@ -473,6 +523,11 @@ class PretrainingIterator:
         seed: int | None = None,
     ):
         cfg.validate(process_count)
+        if cfg.num_shards and cfg.num_shards != process_count:
+            raise ValueError(
+                f"PretrainingIterator reads one shard of process_count={process_count} shards but "
+                f"num_shards={cfg.num_shards}: use ShardedIterator for a process's shards"
+            )
         if not sources:
             raise ValueError("sources is empty: set config.data.sources")
         if not 0 <= process_index < process_count:
@@ -489,10 +544,7 @@ class PretrainingIterator:
         self.batch_size = cfg.batch_size // process_count
         self.seed = cfg.seed if seed is None else seed
         self.source_names = names
-        cache_dir = cfg.cache_dir or os.path.join(
-            cfg.data_dir or os.path.join(os.path.expanduser("~"), ".cache", "albert_jax"),
-            "albert_jax_cache",
-        )
+        cache_dir = _cache_dir(cfg)
         corpora, dirs, self._build_counters = [], [], []
         for src in sources:
             corpus, counters, path = load_tokenized(
@@ -666,6 +718,135 @@ class PretrainingIterator:
                 pass
 
 
+def _concat(batches: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Batches of the shards, in shard order -> one batch (along the leading axis)."""
+    if len(batches) == 1:
+        return dict(batches[0])
+    return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+
+
+def owned_shards(num_shards: int, process_index: int, process_count: int) -> range:
+    """The contiguous shards process `process_index` of `process_count` reads.
+
+    Contiguous, so that the processes' batches concatenated in process order (the order of the
+    rows of a batch-sharded global array) are the shards' batches in shard order.
+    """
+    if num_shards < 1 or num_shards % process_count:
+        raise ValueError(
+            f"num_shards={num_shards} must be a positive multiple of process_count={process_count}"
+        )
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} not in [0, {process_count})")
+    per_process = num_shards // process_count
+    return range(process_index * per_process, (process_index + 1) * per_process)
+
+
+class ShardedIterator:
+    """Endless iterator of one process's batches: its shards' batches concatenated.
+
+    Process `process_index` of `process_count` reads shards `owned_shards(...)` of
+    `cfg.shard_count(process_count)`; each batch holds `batch_size / process_count` sequences,
+    rows of shard i before those of shard i+1. The global batch (all processes' batches in
+    process order) depends on `num_shards`, never on `process_count`.
+
+    `get_state()` is `{"step", "num_shards", "shards": {"<i>": state of shard i}}` for the
+    owned shards; `set_state` accepts such a state holding (at least) the owned shards, e.g.
+    the union of every process's states that a checkpoint keeps.
+    """
+
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer: Tokenizer,
+        sources: Sequence[DocumentSource],
+        *,
+        split: str = "train",
+        process_index: int = 0,
+        process_count: int = 1,
+        start_step: int = 0,
+        seed: int | None = None,
+    ):
+        cfg.validate(process_count)
+        self.num_shards = cfg.shard_count(process_count)
+        self.shards = owned_shards(self.num_shards, process_index, process_count)
+        self.batch_size = cfg.batch_size // process_count
+        # Worker processes are split between the shards (each shard builds whole batches).
+        workers_per_shard = -(-cfg.num_workers // len(self.shards)) if cfg.num_workers else 0
+        shard_cfg = DataConfig(
+            **{**asdict(cfg), "num_shards": self.num_shards, "num_workers": workers_per_shard}
+        )
+        self._iterators: list[PretrainingIterator] = []
+        try:
+            for shard in self.shards:
+                self._iterators.append(
+                    PretrainingIterator(
+                        shard_cfg,
+                        tokenizer,
+                        sources,
+                        split=split,
+                        process_index=shard,
+                        process_count=self.num_shards,
+                        start_step=start_step,
+                        seed=seed,
+                    )
+                )
+        except BaseException:
+            self.close()
+            raise
+        self._batches = 0
+
+    @property
+    def step(self) -> int:
+        """The step of the next batch."""
+        return self._iterators[0].step
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "num_shards": self.num_shards,
+            "shards": {
+                str(i): it.get_state() for i, it in zip(self.shards, self._iterators, strict=True)
+            },
+        }
+
+    def set_state(self, state: Mapping[str, Any]) -> None:
+        """Positions every owned shard at its saved state (all must be at the same step)."""
+        if state.get("num_shards") != self.num_shards:
+            raise ValueError(
+                f"set_state: the state is of {state.get('num_shards')} data shards, this "
+                f"iterator reads {self.num_shards}"
+            )
+        shard_states = state.get("shards") or {}
+        missing = [i for i in self.shards if str(i) not in shard_states]
+        if missing:
+            raise ValueError(f"set_state: no state for shard(s) {missing}")
+        steps = {int(shard_states[str(i)]["step"]) for i in self.shards}
+        if len(steps) != 1:
+            raise ValueError(f"set_state: the shards are at different steps {sorted(steps)}")
+        for i, it in zip(self.shards, self._iterators, strict=True):
+            it.set_state(shard_states[str(i)])
+
+    def __iter__(self) -> ShardedIterator:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        batch = _concat([next(it) for it in self._iterators])
+        self._batches += 1
+        return batch
+
+    def stats(self) -> dict[str, int]:
+        """`PretrainingIterator.stats()` summed over the owned shards."""
+        out: Counter = Counter()
+        for it in self._iterators:
+            out.update(it.stats())
+        out["batches"] = self._batches
+        return dict(out)
+
+    def close(self) -> None:
+        for it in self._iterators:
+            it.close()
+
+
 def make_pretraining_iterator(
     config_like: Any,
     tokenizer: Tokenizer,
@@ -675,7 +856,7 @@ def make_pretraining_iterator(
     process_count: int = 1,
     start_step: int = 0,
     sources: Sequence[DocumentSource] | None = None,
-) -> PretrainingIterator:
+) -> ShardedIterator:
     """Training batches for this host: `next(it)` is the batch of step `it.step`.
 
     `config_like` is read by `DataConfig.from_config`; `sources` overrides the spec in
@@ -686,7 +867,7 @@ def make_pretraining_iterator(
     )
     if sources is None:
         sources = sources_from_spec(cfg.sources, cfg.data_dir)
-    return PretrainingIterator(
+    return ShardedIterator(
         cfg,
         tokenizer,
         sources,
@@ -697,8 +878,38 @@ def make_pretraining_iterator(
     )
 
 
+def padding_batch(
+    batch_size: int, seq_len: int, max_predictions_per_seq: int, cls_id: int
+) -> dict[str, np.ndarray]:
+    """A batch of `batch_size` padding rows: a lone [CLS] (so attention has a key), no
+    prediction (`masked_lm_weights` 0) and `example_weight` 0, in the batch contract's dtypes."""
+    B, S, P = batch_size, seq_len, max_predictions_per_seq
+    input_ids = np.zeros((B, S), np.int32)
+    input_ids[:, 0] = cls_id
+    input_mask = np.zeros((B, S), np.int32)
+    input_mask[:, 0] = 1
+    return {
+        "input_ids": input_ids,
+        "segment_ids": np.zeros((B, S), np.int32),
+        "input_mask": input_mask,
+        "masked_lm_positions": np.zeros((B, P), np.int32),
+        "masked_lm_ids": np.zeros((B, P), np.int32),
+        "masked_lm_weights": np.zeros((B, P), np.float32),
+        "sentence_order_label": np.zeros((B,), np.int32),
+        "example_weight": np.zeros((B,), np.float32),
+    }
+
+
 class EvalBatches:
-    """A fixed list of `num_batches` held-out batches: every iteration yields the same ones."""
+    """A fixed list of `num_batches` held-out batches of one process: every iteration yields
+    the same ones.
+
+    Like `ShardedIterator` (same shards, another seed), plus `example_weight [B] float32`: 1 for
+    a real sequence, 0 for padding. A shard whose split holds no document of a source reads the
+    other sources only; one with no document at all yields padding rows. So every process runs
+    `num_batches` evaluation steps whatever its shards hold, and weighted sums over the steps
+    count real sequences only.
+    """
 
     def __init__(
         self,
@@ -713,30 +924,84 @@ class EvalBatches:
     ):
         if num_batches < 1:
             raise ValueError(f"num_batches must be >= 1 (got {num_batches})")
+        cfg.validate(process_count)
         self.num_batches = num_batches
+        num_shards = cfg.shard_count(process_count)
+        self.shards = owned_shards(num_shards, process_index, process_count)
         # In-process building: eval is small, and this keeps no pool alive between evals.
-        eval_cfg = DataConfig(**{**asdict(cfg), "num_workers": 0})
-        self._iterator = PretrainingIterator(
-            eval_cfg,
-            tokenizer,
-            sources,
-            split=split,
-            process_index=process_index,
-            process_count=process_count,
-            seed=cfg.seed + _EVAL_SEED_OFFSET,
+        eval_cfg = DataConfig(**{**asdict(cfg), "num_workers": 0, "num_shards": num_shards})
+        self._padding = padding_batch(
+            cfg.batch_size // num_shards, cfg.seq_len, cfg.max_predictions_per_seq, tokenizer.cls_id
         )
-        self._start = self._iterator.get_state()
+        self._iterators: list[PretrainingIterator | None] = []
+        for shard in self.shards:
+
+            def make(shard_sources: Sequence[DocumentSource], shard: int = shard):
+                return PretrainingIterator(
+                    eval_cfg,
+                    tokenizer,
+                    shard_sources,
+                    split=split,
+                    process_index=shard,
+                    process_count=num_shards,
+                    seed=cfg.seed + _EVAL_SEED_OFFSET,
+                )
+
+            try:
+                self._iterators.append(make(sources))
+            except EmptyShardError:
+                present = [
+                    src
+                    for src in (sources if len(sources) > 1 else ())
+                    if _has_documents(src, tokenizer, eval_cfg, split, shard)
+                ]
+                self._iterators.append(make(present) if present else None)
+        self._starts = [it.get_state() if it else None for it in self._iterators]
 
     def __len__(self) -> int:
         return self.num_batches
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        self._iterator.set_state(self._start)
+        for it, start in zip(self._iterators, self._starts, strict=True):
+            if it is not None:
+                it.set_state(start)
         for _ in range(self.num_batches):
-            yield next(self._iterator)
+            parts = []
+            for it in self._iterators:
+                if it is None:
+                    parts.append(self._padding)
+                    continue
+                batch = next(it)
+                parts.append(
+                    {**batch, "example_weight": np.ones(len(batch["input_ids"]), np.float32)}
+                )
+            yield _concat(parts)
 
     def stats(self) -> dict[str, int]:
-        return self._iterator.stats()
+        out: Counter = Counter()
+        for it in self._iterators:
+            if it is not None:
+                out.update(it.stats())
+        out["padding_shards"] = sum(it is None for it in self._iterators)
+        return dict(out)
+
+
+def _has_documents(
+    source: DocumentSource, tokenizer: Tokenizer, cfg: DataConfig, split: str, shard: int
+) -> bool:
+    """Whether `source` has a non-empty document in shard `shard` of `split` (cached)."""
+    try:
+        load_tokenized(
+            source,
+            tokenizer,
+            split=split,
+            shard_index=shard,
+            shard_count=cfg.shard_count(),
+            cache_dir=_cache_dir(cfg),
+        )
+    except EmptyShardError:
+        return False
+    return True
 
 
 def make_eval_iterator(

@@ -404,6 +404,8 @@ def iter_documents(
 def _read_shard(
     builder: tfds.core.DatasetBuilder, shard: str, start: int
 ) -> Iterator[dict[str, str]]:
+    if builder.info.splits[shard].num_examples == 0:
+        return  # more shards than documents: ArrayRecord cannot open a slice of no file
     formats = {builder.info.file_format, *builder.info.alternative_file_formats}
     if tfds.core.FileFormat.ARRAY_RECORD in formats:
         records = builder.as_data_source(shard, file_format="array_record")

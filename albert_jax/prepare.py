@@ -1,0 +1,119 @@
+"""What a run needs on disk before its first step: local TFDS sources built and a tokenizer.
+
+Process 0 does the work; the others wait at a barrier and then read the same files.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from typing import Any
+
+import jax
+from absl import logging
+from etils import epath
+from jax.experimental import multihost_utils
+
+from albert_jax import checkpointing, metrics_writer
+from albert_jax.config import model_config_from
+from albert_jax.train_config import config_field
+
+PyTree = Any
+
+
+def barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def _find_tokenizer(directory: str | None) -> str | None:
+    if not directory:
+        return None
+    path = epath.Path(directory) / checkpointing.TOKENIZER_FILE
+    return str(path) if path.is_file() else None
+
+
+def _train_tokenizer_texts(config: Any) -> Any:
+    """Sentences of the train split, at most `tokenizer_max_sentences`, split by source weight."""
+    from albert_jax.data import sentences, sources
+
+    limit = int(config_field(config, "data.tokenizer_max_sentences", 1_000_000))
+    for src in sources.parse_sources(config.data.sources):
+        quota = max(1, math.ceil(limit * src.weight))
+        docs = sources.iter_documents(
+            src, split="train", data_dir=config_field(config, "data.data_dir")
+        )
+        for doc in docs:
+            for sentence in sentences.split_sentences(doc["text"]):
+                yield sentence
+                quota -= 1
+            if quota <= 0:
+                break
+
+
+def _write_atomically(target: str, data: bytes) -> None:
+    """A reader never sees half a file: temp file + rename locally; object stores (gs://)
+    publish whole objects anyway."""
+    if not metrics_writer.is_local(target):
+        epath.Path(target).write_bytes(data)
+        return
+    directory = os.path.dirname(target)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(target) + ".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, target)
+
+
+def prepare_tokenizer(config: Any, workdir: str, extra_dirs: tuple[str | None, ...] = ()) -> Any:
+    """The run's tokenizer, saved as WORKDIR/tokenizer.model (what `load_pretrained` reads).
+
+    Order: `config.data.tokenizer`; a tokenizer already in the workdir; one found in
+    `extra_dirs` (the resume_from / init_from runs); else trained on the sources on first use
+    (process 0; vocabulary = config.model.vocab_size; atomic write, the others wait).
+    """
+    from albert_jax.data.tokenizer import Tokenizer, train_tokenizer
+
+    target = str(epath.Path(workdir) / checkpointing.TOKENIZER_FILE)
+    given = config_field(config, "data.tokenizer")
+    if given and not epath.Path(given).is_file():
+        raise ValueError(f"config.data.tokenizer={given!r} does not exist")
+    source = given or _find_tokenizer(workdir)
+    for directory in extra_dirs:
+        source = source or _find_tokenizer(directory)
+    if jax.process_index() == 0:
+        if source is None:
+            vocab = model_config_from(config).vocab_size
+            logging.info(
+                "training a %d-piece sentencepiece model on %s", vocab, config.data.sources
+            )
+            start = time.perf_counter()
+            with tempfile.TemporaryDirectory() as tmp:
+                trained = train_tokenizer(
+                    _train_tokenizer_texts(config),
+                    os.path.join(tmp, "tokenizer"),
+                    vocab_size=vocab,
+                    max_sentences=int(
+                        config_field(config, "data.tokenizer_max_sentences", 1_000_000)
+                    ),
+                    seed=config.seed,
+                )
+                _write_atomically(target, epath.Path(trained).read_bytes())
+            logging.info("tokenizer trained in %.1fs: %s", time.perf_counter() - start, target)
+        elif source != target:
+            _write_atomically(target, epath.Path(source).read_bytes())
+    barrier("tokenizer")
+    return Tokenizer(model_proto=epath.Path(target).read_bytes())
+
+
+def build_sources(config: Any) -> None:
+    """Prepares local TFDS datasets once (process 0) before every process reads them."""
+    from albert_jax.data import sources
+
+    if jax.process_index() == 0:
+        for src in sources.parse_sources(config.data.sources):
+            if src.is_local:
+                sources.build_source(src, data_dir=config_field(config, "data.data_dir"))
+    barrier("sources")

@@ -1,0 +1,156 @@
+"""Pretraining config checks: every field known, every value sane, before anything compiles.
+
+`validate_config(config)` returns the resolved model config, mesh shape and devices; a bad
+config raises a ValueError naming the field (`config.batch_size=...`), so that no run spends
+minutes compiling before it fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+
+from albert_jax import optim
+from albert_jax.config import ModelConfig, model_config_from
+from albert_jax.sharding import resolve_mesh_shape
+
+PyTree = Any
+
+# Every field the loop reads; anything else in a config is a typo (see `validate_config`).
+KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
+    "": (
+        "size", "model", "objective", "data", "batch_size", "seq_len",
+        "max_predictions_per_seq", "microbatches", "optimizer", "learning_rate",
+        "warmup_steps", "num_train_steps", "lr_poly_power", "weight_decay", "grad_clip_norm",
+        "b1", "b2", "eps", "mesh", "seed", "log_every_steps", "eval_every_steps",
+        "eval_batches", "checkpoint_every_steps", "keep_checkpoints", "resume_from",
+        "init_from", "debug",
+    ),
+    "data": (
+        "sources", "data_dir", "cache_dir", "tokenizer", "short_seq_prob", "masked_lm_prob",
+        "max_ngram", "num_workers", "eval_split", "tokenizer_max_sentences",
+        "sop_single_segment", "num_shards",
+    ),
+    "mesh": ("data", "fsdp", "tensor"),
+    "debug": ("sigterm_after_step", "sigkill_after_save_at_step", "nan_at_step"),
+}  # fmt: skip
+OBJECTIVES = ("sop", "nsp", "none")
+
+
+def config_field(config: Any, dotted: str, default: Any = None) -> Any:
+    node = config
+    for part in dotted.split("."):
+        try:
+            node = node[part]
+        except (KeyError, TypeError, AttributeError):
+            return default
+    return default if node is None else node
+
+
+def _keys(node: Any) -> list[str]:
+    return list(node.keys()) if hasattr(node, "keys") else []
+
+
+@dataclasses.dataclass(frozen=True)
+class RunLayout:
+    """What `validate_config` derives: the model config and the mesh to build."""
+
+    model_config: ModelConfig
+    mesh_shape: tuple[int, int, int]
+    devices: tuple[Any, ...]
+
+
+def validate_config(config: Any) -> RunLayout:
+    """Checks a pretraining config against itself and the devices; nothing is compiled.
+
+    Raises:
+      ValueError naming the field and the fix: unknown fields, bad model fields, seq_len >
+      max_position_embeddings, max_predictions_per_seq > seq_len, a batch that does not split
+      over the data-parallel devices, processes and microbatches, a mesh that does not fit the
+      devices, bad optimizer or data fields.
+    """
+    if "task" in _keys(config):
+        raise ValueError("config has a `task` field: that is a fine-tuning config (finetune.py)")
+    for section, allowed in KNOWN_FIELDS.items():
+        node = config if not section else config_field(config, section, {})
+        unknown = sorted(set(_keys(node)) - set(allowed))
+        if unknown:
+            where = f"config.{section}." if section else "config."
+            raise ValueError(
+                f"unknown field(s) {[where + k for k in unknown]}; known fields of "
+                f"{where.rstrip('.')}: {sorted(allowed)}"
+            )
+    model_config = model_config_from(config)
+    objective = config_field(config, "objective")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"config.objective={objective!r} must be one of {OBJECTIVES}")
+
+    def positive(name: str, minimum: int = 1) -> int:
+        value = config_field(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"config.{name} must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    for name in ("num_train_steps", "log_every_steps", "checkpoint_every_steps",
+                 "keep_checkpoints", "eval_batches", "seq_len", "max_predictions_per_seq",
+                 "batch_size", "microbatches"):  # fmt: skip
+        positive(name)
+    for name in ("warmup_steps", "eval_every_steps", "seed"):
+        positive(name, minimum=0)
+    seq_len, batch = config.seq_len, config.batch_size
+    if seq_len > model_config.max_position_embeddings:
+        raise ValueError(
+            f"config.seq_len={seq_len} exceeds config.model.max_position_embeddings="
+            f"{model_config.max_position_embeddings}: lower seq_len or raise "
+            "max_position_embeddings"
+        )
+    if config.max_predictions_per_seq > seq_len:
+        raise ValueError(
+            f"config.max_predictions_per_seq={config.max_predictions_per_seq} exceeds "
+            f"config.seq_len={seq_len}: lower it (the paper uses 20 at seq_len 512)"
+        )
+    mesh_shape, devices = mesh_layout(config)
+    dp = mesh_shape[0] * mesh_shape[1]
+    processes, micro = jax.process_count(), config.microbatches
+    if batch % dp:
+        raise ValueError(
+            f"config.batch_size={batch} is not divisible by the data-parallel size "
+            f"data×fsdp={mesh_shape[0]}×{mesh_shape[1]}={dp}: use a multiple of {dp} "
+            "or change config.mesh"
+        )
+    if batch % (processes * micro):
+        raise ValueError(
+            f"config.batch_size={batch} is not divisible by process_count×microbatches="
+            f"{processes}×{micro}: use a multiple of {processes * micro}"
+        )
+    if (batch // micro) % dp:
+        raise ValueError(
+            f"config.microbatches={micro}: each microbatch of {batch // micro} sequences must "
+            f"split over the {dp} data-parallel devices; use fewer microbatches or a larger "
+            "batch_size"
+        )
+    optim.make_optimizer(config)  # optimizer fields (names the bad one)
+    from albert_jax.data.pipeline import DataConfig
+
+    DataConfig.from_config(config).validate(processes)
+    return RunLayout(model_config, mesh_shape, devices)
+
+
+def mesh_layout(config: Any) -> tuple[tuple[int, int, int], tuple[Any, ...]]:
+    shape = tuple(
+        int(config_field(config, f"mesh.{axis}", 1)) for axis in ("data", "fsdp", "tensor")
+    )
+    devices = jax.devices()
+    known = math.prod(shape)
+    # An explicit mesh smaller than the host (e.g. (1,1,1) on 8 devices) uses the first devices:
+    # handy for single-device baselines; never across processes, where every host must take part.
+    if -1 not in shape and known < len(devices) and jax.process_count() == 1 and known > 0:
+        devices = devices[:known]
+    try:
+        resolved = resolve_mesh_shape(shape, len(devices))
+    except ValueError as e:
+        raise ValueError(f"config.mesh (data, fsdp, tensor)={shape}: {e}") from None
+    return resolved, tuple(devices)  # type: ignore[return-value]

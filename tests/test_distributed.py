@@ -1,0 +1,413 @@
+"""Multi-host pretraining on localhost: two `python -m albert_jax.main` processes with 4 CPU
+devices each under `jax.distributed` (a local coordinator on a free port), against one process
+with 8 devices.
+
+What must hold (issue #5): both layouts see the same global batches (the data is cut into 2
+shards either way), so the per-step losses and the eval metrics agree to fp32 rounding; eval
+runs the same number of steps on every process although process 1's validation shard is empty
+(padding rows with weight 0); only process 0 writes metrics; and the Orbax checkpoint written
+by the two processes (FSDP shards spread over both) restores in one process, exactly, and
+training goes on from it on the same batches.
+
+The tiny model and corpus are those of test_train.py (Austen as a TFDS dataset, a 1000-piece
+tokenizer). XLA's CPU backend is asked for unoptimized code (`--xla_backend_optimization_level=0`)
+in every run alike: this model is far too small for it to matter, and compiling takes most of
+the test's time (the two processes of the distributed run compile at the same time on the same
+cores, and the compile cache cannot be shared with the 1-process runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+import test_train
+from test_train import assert_trees_equal, losses_by_step, make_config, small_overrides
+
+from albert_jax import checkpointing, metrics_writer, train
+from albert_jax.config import model_config_from
+from albert_jax.data import pipeline
+from albert_jax.data.tokenizer import Tokenizer
+from albert_jax.model import AlbertForPreTraining, init_params
+from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS, RESUME_STEP = 5, 3  # checkpoints at 3 and 5; the 1-process resume runs steps 4 and 5
+MESH = {"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2}  # fsdp spans both processes
+EVAL_KEYS = (
+    "eval_loss", "eval_mlm_loss", "eval_sop_loss", "eval_mlm_accuracy", "eval_sop_accuracy",
+    "eval_mlm_majority_accuracy", "eval_sop_majority_accuracy",
+)  # fmt: skip
+corpus = test_train.corpus  # the module fixture of test_train.py (TFDS Austen + a tokenizer)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Run:
+    """A finished `albert_jax.main` job: its workdir and each process's exit code and log."""
+
+    workdir: str
+    returncodes: list[int]
+    logs: list[str]
+
+    def check(self) -> None:
+        """Fails with the tail of every process's log unless all of them exited 0."""
+        if any(rc != 0 for rc in self.returncodes):
+            tails = "\n".join(
+                f"--- process {i} (exit {rc}):\n{log[-4000:]}"
+                for i, (rc, log) in enumerate(zip(self.returncodes, self.logs, strict=True))
+            )
+            pytest.fail(f"run in {self.workdir} failed:\n{tails}")
+
+
+class Job:
+    """`python -m albert_jax.main` as `processes` processes of `devices` CPU devices each,
+    started at once; `wait()` collects them. Their output goes to files (no pipe to fill)."""
+
+    def __init__(self, workdir, overrides, log_dir, *, processes, devices, jax_cache=None):
+        args = [
+            sys.executable, "-m", "albert_jax.main", "--config=configs/pretrain.py:size=tiny",
+            f"--workdir={workdir}",
+        ] + [f"--config.{k}={v}" for k, v in overrides.items()]  # fmt: skip
+        env = {
+            **os.environ,
+            "JAX_PLATFORMS": "cpu",
+            "JAX_NUM_CPU_DEVICES": str(devices),
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} "
+            "--xla_backend_optimization_level=0",
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+        }
+        if jax_cache:
+            env["JAX_COMPILATION_CACHE_DIR"] = jax_cache
+            env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        coordinator = f"127.0.0.1:{free_port()}"
+        self.workdir = str(workdir)
+        name = os.path.basename(self.workdir)
+        self.paths = [os.path.join(log_dir, f"{name}.{i}.log") for i in range(processes)]
+        self.procs: list[subprocess.Popen] = []
+        try:
+            for i, path in enumerate(self.paths):
+                distributed = [
+                    f"--coordinator_address={coordinator}", f"--num_processes={processes}",
+                    f"--process_id={i}",
+                ] if processes > 1 else []  # fmt: skip
+                with open(path, "w") as log:
+                    self.procs.append(
+                        subprocess.Popen(
+                            args + distributed,
+                            cwd=REPO,
+                            env=env,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                        )  # fmt: skip
+                    )
+        except BaseException:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        """Kills the processes of this job that still run (only those)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+    def wait(self, timeout: float = 280) -> Run:
+        """Waits for every process; when one fails, the others get a few seconds to fail as
+        well (a survivor waits for its peer in a collective) and are then killed, as are all of
+        them after `timeout` seconds or if the test is interrupted."""
+        try:
+            deadline = time.monotonic() + timeout
+            failed_at = None
+            while any(p.poll() is None for p in self.procs):
+                now = time.monotonic()
+                if failed_at is None and any(p.poll() not in (None, 0) for p in self.procs):
+                    failed_at = now
+                if now > deadline or (failed_at is not None and now > failed_at + 10):
+                    break
+                time.sleep(0.2)
+        finally:
+            self.kill()
+        logs = []
+        for path in self.paths:
+            with open(path, errors="replace") as f:
+                logs.append(f.read())
+        return Run(self.workdir, [p.returncode for p in self.procs], logs)
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):
+    """Three jobs on the same config, one after the other: 2 processes × 4 devices (`dist`),
+    1 process × 8 devices with the same 2 data shards (`single`), and 1 process × 8 devices
+    resuming from the 2-process checkpoint of step 3 (`resumed`; another workdir,
+    `config.resume_from`). Run side by side, they only slowed each other down on 2 cores."""
+    root = tmp_path_factory.mktemp("distributed")
+    base = small_overrides(
+        corpus,
+        num_train_steps=STEPS,
+        checkpoint_every_steps=RESUME_STEP,
+        eval_every_steps=STEPS,
+        eval_batches=2,
+        **MESH,
+    )
+    jax_cache = str(root / "jax_cache")  # shared by the two 1-process jobs (same programs)
+    out = {"base": base}
+    jobs: list[Job] = []
+    try:
+        jobs.append(Job(root / "dist", base, root, processes=2, devices=4))
+        out["dist"] = jobs[-1].wait()
+        single_overrides = {**base, "data.num_shards": 2}
+        jobs.append(Job(root / "single", single_overrides, root, processes=1, devices=8,
+                        jax_cache=jax_cache))  # fmt: skip
+        out["single"] = jobs[-1].wait()
+        # The 2-process checkpoint of step 3 alone (the job's latest is the final step 5).
+        source = root / "dist_step3"
+        if os.path.isdir(checkpointing.checkpoint_dir(str(root / "dist"))):
+            shutil.copytree(
+                os.path.join(checkpointing.checkpoint_dir(str(root / "dist")), str(RESUME_STEP)),
+                os.path.join(checkpointing.checkpoint_dir(str(source)), str(RESUME_STEP)),
+            )
+        # No data.num_shards: the run takes the checkpoint's 2 shards, both read by one process.
+        resumed_overrides = {**base, "resume_from": source}
+        jobs.append(Job(root / "resumed", resumed_overrides, root, processes=1, devices=8,
+                        jax_cache=jax_cache))  # fmt: skip
+        out["resumed"] = jobs[-1].wait()
+    finally:
+        for job in jobs:
+            job.kill()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The jobs
+
+
+@pytest.mark.timeout(900)
+def test_two_processes_equal_one_process_step_by_step(runs):
+    dist, single = runs["dist"], runs["single"]
+    dist.check()
+    single.check()
+    assert "process 1/2, 8 devices" in dist.logs[1]
+    assert "data: 2 shards, 1 per process" in dist.logs[0]
+    assert "data: 2 shards, 2 per process" in single.logs[0]
+    losses_dist, losses_single = losses_by_step(dist.workdir), losses_by_step(single.workdir)
+    assert sorted(losses_dist) == sorted(losses_single) == list(range(1, STEPS + 1))
+    steps = sorted(losses_dist)
+    np.testing.assert_allclose(
+        [losses_dist[s] for s in steps], [losses_single[s] for s in steps], rtol=1e-5
+    )
+    assert len(set(losses_dist.values())) == STEPS  # the batches do change from step to step
+    # Eval (step 5): process 1's validation shard is empty (Austen's validation split is one
+    # chapter), so it ran its 2 steps on padding rows; the sums count real rows only.
+    last_dist = metrics_writer.read_metrics(dist.workdir)[-1]
+    last_single = metrics_writer.read_metrics(single.workdir)[-1]
+    for key in EVAL_KEYS:
+        np.testing.assert_allclose(last_dist[key], last_single[key], rtol=1e-5, err_msg=key)
+    assert np.isfinite(last_dist["eval_loss"])
+
+
+@pytest.mark.timeout(900)
+def test_only_process_zero_writes_metrics(runs):
+    dist = runs["dist"]
+    dist.check()
+    # Both processes share the workdir: a second writer would duplicate the lines and add an
+    # event file of its own.
+    records = metrics_writer.read_metrics(dist.workdir)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    events = os.listdir(os.path.join(dist.workdir, metrics_writer.TENSORBOARD_DIR))
+    assert len([f for f in events if f.startswith("events.out.tfevents")]) == 1, events
+    assert os.path.isfile(os.path.join(dist.workdir, metrics_writer.LEARNING_CURVE_FILE))
+    assert f"step {STEPS}/{STEPS} | loss" in dist.logs[0]
+    assert "| loss" not in dist.logs[1]
+
+
+@pytest.mark.timeout(900)
+def test_two_process_checkpoint_restores_exactly_in_one_process(runs, corpus):
+    """The checkpoint of step 3, written by both processes (each its FSDP shards), restored in
+    this 1-process test onto another mesh: the values Orbax stores, exactly, and the state the
+    1-process job reached at step 3 (up to fp32 reduction order)."""
+    runs["dist"].check()
+    runs["single"].check()
+    config = make_config(runs["base"])
+    model = AlbertForPreTraining(model_config_from(config))
+    mesh = create_mesh((2, 2, 2))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
+        _, abstract, shardings, _ = train.create_train_state(config, model, mesh)
+        targets = (
+            checkpointing.abstract_like(abstract.params, shardings.params),
+            checkpointing.abstract_like(abstract.opt_state, shardings.opt_state),
+        )
+        with checkpointing.Checkpointer(runs["dist"].workdir, read_only=True) as ckpt:
+            restored = ckpt.restore(RESUME_STEP, *targets)
+            stored = ckpt.restore_numpy(RESUME_STEP, "params")
+    for leaf, sharding in zip(
+        jax.tree.leaves(restored.params), jax.tree.leaves(shardings.params), strict=True
+    ):
+        assert leaf.sharding == sharding
+    assert_trees_equal(jax.device_get(restored.params), stored)
+    with checkpointing.Checkpointer(runs["single"].workdir, read_only=True) as ckpt:
+        single = ckpt.restore_numpy(RESUME_STEP, "params")
+    for (path, a), b in zip(
+        jax.tree.leaves_with_path(stored), jax.tree.leaves(single), strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=str(path))
+    # One pipeline state per data shard, gathered from both processes.
+    data = restored.data
+    assert data["num_shards"] == 2 and len(data["states"]) == 2
+    assert [s["step"] for s in data["states"]] == [RESUME_STEP, RESUME_STEP]
+    assert data["states"][0]["fingerprint"] != data["states"][1]["fingerprint"]
+
+
+@pytest.mark.timeout(900)
+def test_one_process_resumes_the_two_process_run(runs):
+    resumed, dist = runs["resumed"], runs["dist"]
+    dist.check()
+    resumed.check()
+    log = resumed.logs[0]
+    assert f"resumed at step {RESUME_STEP}" in log
+    assert "data: 2 shards, 2 per process" in log  # the checkpoint's shard count, not 1
+    assert "recomputing the input position" not in log  # the saved shard states were used
+    expected = {s: v for s, v in losses_by_step(dist.workdir).items() if s > RESUME_STEP}
+    got = losses_by_step(resumed.workdir)
+    assert sorted(got) == sorted(expected) == list(range(RESUME_STEP + 1, STEPS + 1))
+    np.testing.assert_allclose([got[s] for s in expected], list(expected.values()), rtol=1e-5)
+    last, last_dist = (metrics_writer.read_metrics(w)[-1] for w in (resumed.workdir, dist.workdir))
+    for key in EVAL_KEYS:
+        np.testing.assert_allclose(last[key], last_dist[key], rtol=1e-5, err_msg=key)
+    with (
+        checkpointing.Checkpointer(resumed.workdir, read_only=True) as a,
+        checkpointing.Checkpointer(dist.workdir, read_only=True) as b,
+    ):
+        assert a.latest_step() == b.latest_step() == STEPS
+        params, params_dist = a.restore_numpy(STEPS), b.restore_numpy(STEPS)
+    for (path, x), y in zip(
+        jax.tree.leaves_with_path(params), jax.tree.leaves(params_dist), strict=True
+    ):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6, err_msg=str(path))
+
+
+# ----------------------------------------------------------------------------------------------
+# The pieces, in this process: data shards and padded evaluation
+
+
+@pytest.fixture(scope="module")
+def shard_setup(corpus, tmp_path_factory):
+    tokenizer = Tokenizer(corpus["tokenizer"])
+    sources = pipeline.sources_from_spec(corpus["sources"], corpus["data_dir"])
+    cfg = pipeline.DataConfig(
+        seq_len=32, max_predictions_per_seq=5, batch_size=16, seed=3,
+        cache_dir=str(tmp_path_factory.mktemp("shard_cache")),
+    )  # fmt: skip
+    return cfg, tokenizer, sources
+
+
+def _assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), k
+
+
+def test_global_batch_does_not_depend_on_the_process_count(shard_setup):
+    cfg, tokenizer, sources = shard_setup
+    two_shards = dataclasses.replace(cfg, num_shards=2)
+    one = pipeline.ShardedIterator(two_shards, tokenizer, sources)  # 1 process, 2 shards
+    procs = [  # 2 processes, one shard each (num_shards 0 = one per process)
+        pipeline.ShardedIterator(cfg, tokenizer, sources, process_index=p, process_count=2)
+        for p in range(2)
+    ]
+    assert list(one.shards) == [0, 1] and [list(p.shards) for p in procs] == [[0], [1]]
+    for _ in range(3):
+        batch = next(one)
+        parts = [next(p) for p in procs]
+        assert parts[0]["input_ids"].shape == (8, 32)
+        _assert_same(batch, {k: np.concatenate([p[k] for p in parts]) for k in batch})
+    # The shard count, not the process count, decides: one shard gives other batches.
+    single_shard = next(pipeline.ShardedIterator(cfg, tokenizer, sources))
+    assert single_shard["input_ids"].tobytes() != batch["input_ids"].tobytes()
+
+    # States move between layouts: the 2 processes' shard states (what a checkpoint gathers)
+    # position a 1-process iterator, and the 1-process state positions each process.
+    merged = {"num_shards": 2, "shards": {}}
+    for p in procs:
+        merged["shards"].update(p.get_state()["shards"])
+    fresh = pipeline.ShardedIterator(two_shards, tokenizer, sources)
+    fresh.set_state(merged)
+    assert fresh.get_state() == one.get_state() and fresh.step == 3
+    _assert_same(next(fresh), next(one))
+    expected = next(one)  # step 4
+    for p in range(2):
+        moved = pipeline.ShardedIterator(cfg, tokenizer, sources, process_index=p, process_count=2)
+        moved.set_state(fresh.get_state())
+        _assert_same(next(moved), {k: v[p * 8 : (p + 1) * 8] for k, v in expected.items()})
+    with pytest.raises(ValueError, match="data shards"):
+        procs[0].set_state(merged | {"num_shards": 4})
+
+
+def test_shard_count_is_validated(shard_setup):
+    cfg, tokenizer, sources = shard_setup
+    with pytest.raises(ValueError, match="multiple of process_count=2"):
+        pipeline.ShardedIterator(
+            dataclasses.replace(cfg, num_shards=3), tokenizer, sources, process_count=2
+        )
+    with pytest.raises(ValueError, match="batch_size=16 must be a positive multiple"):
+        pipeline.ShardedIterator(dataclasses.replace(cfg, num_shards=32), tokenizer, sources)
+    config = make_config({"data.num_shards": 3})
+    with pytest.raises(ValueError, match="batch_size=32 must be a positive multiple"):
+        train.validate_config(config)
+
+
+def test_empty_eval_shards_are_padding_that_eval_does_not_count(shard_setup, corpus):
+    """2 shards of a one-document validation split: shard 1 holds nothing and yields padding
+    rows; both shards yield `num_batches` batches, and whatever padding rows hold, the eval
+    sums and the majority baselines count the real rows only."""
+    cfg, tokenizer, sources = shard_setup
+    evals = pipeline.EvalBatches(
+        dataclasses.replace(cfg, num_shards=2), tokenizer, sources, split="validation",
+        num_batches=2, process_index=0, process_count=1,
+    )  # fmt: skip
+    batches = list(evals)
+    assert len(batches) == 2 and evals.stats()["padding_shards"] == 1
+    b = 8  # rows per shard
+    for batch in batches:
+        assert batch["input_ids"].shape == (16, 32)
+        np.testing.assert_array_equal(batch["example_weight"], [1.0] * b + [0.0] * b)
+        assert batch["masked_lm_weights"][:b].sum() > 0
+        assert not batch["masked_lm_weights"][b:].any()
+        assert (batch["input_mask"][b:].sum(axis=1) == 1).all()  # a lone [CLS]
+
+    config = make_config(small_overrides(corpus))
+    model = AlbertForPreTraining(model_config_from(config))
+    init = jax.jit(lambda rng: nn.meta.unbox(init_params(model, rng, batch_size=1, seq_len=8)))
+    params = init(jax.random.key(0))["params"]
+    eval_step = jax.jit(train.make_eval_step(config, model))
+    padded = jax.device_get(eval_step(params, batches[0]))
+    # The padding rows replaced by real-looking rows (the real ones, labels flipped): still
+    # weight 0, so nothing changes.
+    real = {k: v[:b] for k, v in batches[0].items()}
+    disguised = {k: np.concatenate([v[:b], real[k]]) for k, v in batches[0].items()}
+    disguised["sentence_order_label"][b:] = 1 - real["sentence_order_label"]
+    disguised["masked_lm_weights"][b:] = 0
+    disguised["example_weight"][b:] = 0
+    same = jax.device_get(eval_step(params, disguised))
+    assert padded["sequences"] == same["sequences"] == b
+    assert padded["predictions"] == real["masked_lm_weights"].sum()
+    for key in padded:
+        np.testing.assert_allclose(same[key], padded[key], rtol=1e-6, err_msg=key)
+    assert padded["sop_loss"] > 0 and padded["mlm_loss"] > 0
+    baselines = train.majority_accuracies(batches, 1000)
+    labels = np.concatenate([x["sentence_order_label"][:b] for x in batches])
+    assert baselines["eval_sop_majority_accuracy"] == np.bincount(labels).max() / len(labels)
