@@ -208,12 +208,27 @@ class Checkpointer:
         )
 
     def restore_numpy(self, step: int, item: str = "params") -> PyTree:
-        """One array item as host numpy arrays, whatever mesh it was saved from (for tests and
-        notebooks)."""
+        """One array item of a step as host numpy arrays, whatever mesh, device count or
+        process count saved it (tests, notebooks, fine-tuning init from another run).
+
+        Returns the saved tree (nested dicts / lists as Orbax stores it) with `np.ndarray`
+        leaves of the saved shapes and dtypes; nothing is placed on a device.
+        """
         if item not in ("params", "opt_state"):
             raise ValueError(f"item must be 'params' or 'opt_state', got {item!r}")
-        metadata = self._manager.item_metadata(step)[item]
-        target = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), metadata)
+        # The item's own metadata (shapes, dtypes, the saving sharding). The manager's
+        # `item_metadata` is None for items it has no handler for yet (a read-only manager
+        # before its first restore), so the item directory is read directly.
+        handler = ocp.StandardCheckpointHandler()
+        try:
+            tree = handler.metadata(epath.Path(self.step_dir(step)) / item).tree
+        finally:
+            handler.close()
+        # numpy leaves make Orbax restore with `RestoreArgs(restore_type=np.ndarray)`: each
+        # array is read whole onto the host and the saved sharding is never rebuilt (abstract
+        # ShapeDtypeStructs without a sharding would fall back to the saved one and fail on
+        # another topology). np.empty only reserves memory; Orbax returns new arrays.
+        target = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), tree)
         restored = self._manager.restore(
             step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(target)})
         )

@@ -10,8 +10,14 @@ What the checkpoint provides is reported, not assumed: head weights it lacks are
 and listed as `missing`, checkpoint weights the task model does not use (the MLM / SOP heads,
 another task's head) as `unexpected`, in the log and in eval_results.json.
 
-A workdir that already holds a checkpoint of this run resumes from it (params, optimizer state
-and step; batches are a pure function of the step, so the data continues exactly).
+Resume: a workdir that already holds a checkpoint of this run resumes from its latest one
+(params, optimizer state, step and init report). Batch s is a pure function of (training
+features, seed, s) and dropout keys are `fold_in(key, s)`, so the resumed run computes
+bit for bit what an uninterrupted one would; the checkpoint's data state (seed, batch size,
+schedule and a fingerprint of the training features) must match, or the resume is refused.
+SIGTERM (single process; TPU preemption notices through Orbax with several processes) saves
+a checkpoint at the next step boundary and returns `{"preempted": True, ...}` without
+evaluating; `checkpoint_every_steps` adds periodic saves for crashes without a notice.
 
 Files written (process 0):
   eval_results.json        metrics (+ counts, featurization statistics, init report)
@@ -26,11 +32,14 @@ Files written (process 0):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import shutil
+import signal
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -86,13 +95,14 @@ KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
         "eval_batch_size", "num_train_steps", "num_train_epochs", "warmup_steps",
         "warmup_fraction", "lr_poly_power", "weight_decay", "grad_clip_norm", "b1", "b2", "eps",
         "mesh", "seed", "log_every_steps", "eval_every_steps", "checkpoint_every_steps",
-        "keep_checkpoints",
+        "keep_checkpoints", "debug",
     ),
     "data": (
         "train_files", "eval_files", "data_dir", "train_split", "eval_split", "race_levels",
         "tokenizer", "max_train_examples", "max_eval_examples",
     ),
     "mesh": ("data", "fsdp", "tensor"),
+    "debug": ("sigterm_after_step",),
 }  # fmt: skip
 
 
@@ -285,7 +295,7 @@ def merge_pretrained(
     """Takes every checkpoint array whose path and shape the task model has.
 
     Args:
-      fresh: {path: array} of the freshly initialized task model.
+      fresh: {path: array or ShapeDtypeStruct} of the task model (only shapes are read).
       checkpoint: {path: array} of what the checkpoint really holds.
     Returns:
       (merged {path: array}, loaded paths, missing paths, unexpected paths). A head weight of
@@ -310,34 +320,34 @@ def merge_pretrained(
     return merged, loaded, missing, unexpected
 
 
-def _restore_host(directory: str) -> PyTree:
-    """A StandardSave item as host numpy arrays, whatever devices it was saved from."""
-    import orbax.checkpoint as ocp
-
-    with ocp.StandardCheckpointer() as checkpointer:
-        metadata = checkpointer.metadata(directory).item_metadata.tree
-        # numpy targets: Orbax reads plain host arrays, no device topology has to match.
-        target = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), metadata)
-        return checkpointer.restore(directory, target)
-
-
 def _head_weights_of(path: str) -> dict[str, np.ndarray]:
     """Task-head weights stored in one of our training checkpoints (another fine-tuning run);
-    `load_pretrained` keeps only the pretraining model, so they are read here directly."""
+    `load_pretrained` keeps only the pretraining model, so they are read here directly, as
+    host arrays whatever mesh or device count wrote them."""
     from albert_jax.pretrained import detect_layout
 
     layout = detect_layout(path)
     if layout == "workdir":
-        with checkpointing.Checkpointer(path, read_only=True) as ckpt:
-            step = ckpt.latest_step()
-            step_dir = ckpt.step_dir(step) if step is not None else None
+        workdir, step = path, None
     elif layout == "step_dir":
-        step_dir = path
+        # WORKDIR/checkpoints/<step>: the manager of WORKDIR reads it.
+        step_dir = os.path.abspath(path)
+        parent, name = os.path.split(os.path.normpath(step_dir))
+        if os.path.basename(parent) != checkpointing.CHECKPOINTS_DIR or not name.isdigit():
+            logging.warning(
+                "%s is a step dir outside a WORKDIR/%s/<step> layout: its task-head weights "
+                "are not read (they are initialized and reported as missing)",
+                path, checkpointing.CHECKPOINTS_DIR,
+            )  # fmt: skip
+            return {}
+        workdir, step = os.path.dirname(parent), int(name)
     else:
         return {}
-    if step_dir is None:
-        return {}
-    tree = _restore_host(os.path.join(step_dir, "params"))
+    with checkpointing.Checkpointer(workdir, read_only=True) as ckpt:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            return {}
+        tree = ckpt.restore_numpy(step, "params")
     tree = tree.get("params", tree) if isinstance(tree, dict) else tree
     pretraining_parts = ("albert/", "predictions/", "sop_classifier/")
     return {k: v for k, v in _flatten(tree).items() if not k.startswith(pretraining_parts)}
@@ -471,6 +481,7 @@ class _FineTuner:
         if len(self.train_features) == 0 and self._num_train_steps() > 0:
             raise ValueError(f"no training examples for task {config.task!r}")
         self.total_steps = self._num_train_steps()
+        self.train_fingerprint = _fingerprint(self.train_features)
         self.tx = optim.make_optimizer(_optimizer_config(config, self.total_steps))
         self.batch_sharding = batch_sharding(mesh)
         self.replicated = NamedSharding(mesh, PartitionSpec())
@@ -502,9 +513,41 @@ class _FineTuner:
     def _features_for_init(self) -> Features:
         return self.train_features if len(self.train_features) else self.eval_features[0]
 
+    # --------------------------------------------------------------------------- data state
+    def data_state(self, step: int) -> dict[str, Any]:
+        """What decides the training batches after `step`, saved in every checkpoint.
+
+        Batch s is `train_batch(features, s, batch_size, seed)`, a pure function of these, so
+        a resumed run continues the exact data order of an uninterrupted one; the fingerprint
+        of the training features makes a resume on other data (other files, tokenizer or
+        featurization settings) an error instead of a silent change.
+        """
+        return {
+            "step": int(step),
+            "seed": int(self.config.seed),
+            "batch_size": int(self.config.batch_size),
+            "num_train_steps": int(self.total_steps),
+            "num_train_features": len(self.train_features),
+            "train_fingerprint": self.train_fingerprint,
+        }
+
+    def _check_data_state(self, saved: Any, step: int) -> None:
+        expected = self.data_state(step)
+        if not isinstance(saved, dict):
+            raise ValueError(f"{self.workdir}: checkpoint {step} has no data state: {saved!r}")
+        differ = sorted(k for k, v in expected.items() if k in saved and saved[k] != v)
+        if differ:
+            details = ", ".join(f"{k}: saved {saved[k]!r}, now {expected[k]!r}" for k in differ)
+            raise ValueError(
+                f"cannot resume {self.workdir} at step {step}: the run's data or schedule "
+                f"changed ({details}); restore the config (config.json in the workdir) or use "
+                "a new --workdir"
+            )
+
     # --------------------------------------------------------------------------- parameters
-    def create_state(self) -> tuple[TrainState, TrainState, InitReport | None, int]:
-        """(state, state shardings, init report or None when resumed, start step)."""
+    def create_state(self) -> tuple[TrainState, TrainState, dict[str, Any] | None, int]:
+        """(state, state shardings, init report (`InitReport.as_dict`; when resumed, the one
+        saved by the first start, None in checkpoints that lack it), start step)."""
         spec, config = self.spec, self.config
         dp = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         dummy = _dummy_batch(spec, self._features_for_init(), dp)
@@ -542,25 +585,36 @@ class _FineTuner:
                     checkpointing.abstract_like(abstract, param_shardings),
                     checkpointing.abstract_like(abstract_opt, opt_shardings),
                 )
+            self._check_data_state(restored.data, restored.step)
             step = jax.device_put(np.int32(restored.step), self.replicated)
             logging.info("resumed fine-tuning at step %d from %s", restored.step, self.workdir)
             state = TrainState(step=step, params=restored.params, opt_state=restored.opt_state)
-            return state, shardings, None, restored.step
+            # The init report of the run's first start (what the checkpoint provided).
+            return state, shardings, restored.meta.get("init"), restored.step
 
-        fresh = jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=param_shardings)(
-            jax.random.key(config.seed)
-        )
-        report = None
+        key = jax.random.key(config.seed)
         if config.init:
-            flat_fresh = _flatten(fresh)
-            merged, loaded, missing, unexpected = merge_pretrained(flat_fresh, self.stored)
+            flat_abstract = _flatten(abstract)
+            merged, loaded, missing, unexpected = merge_pretrained(flat_abstract, self.stored)
             flat_shardings = _flatten(param_shardings)
+
+            def init_missing(rng: jax.Array) -> dict[str, jax.Array]:
+                # Only the weights the checkpoint lacks (a task head): XLA drops the
+                # initializers of everything else, whose random init would cost most of the
+                # compilation; each kept weight gets the value a full init would give it.
+                flat = _flatten(nn.meta.unbox(init(rng)))
+                return {k: flat[k] for k in missing}
+
+            initialized = {}
+            if missing:
+                out_shardings = {k: flat_shardings[k] for k in missing}
+                initialized = jax.jit(init_missing, out_shardings=out_shardings)(key)
             placed = {
-                k: v if k in missing else jax.device_put(np.asarray(v, flat_fresh[k].dtype),
-                                                          flat_shardings[k])
+                k: initialized[k] if k in initialized
+                else jax.device_put(np.asarray(v, flat_abstract[k].dtype), flat_shardings[k])
                 for k, v in merged.items()
             }  # fmt: skip
-            fresh = jax.tree.map(lambda _, x: x, fresh, _unflatten(placed))
+            params = jax.tree.map(lambda _, x: x, abstract, _unflatten(placed))
             source, path = self.init_source
             report = InitReport(path, source, loaded, missing, unexpected)
             logging.info("init from %s checkpoint %s: %d weights loaded", source, path, len(loaded))
@@ -571,10 +625,13 @@ class _FineTuner:
             if unexpected:
                 logging.warning("%d checkpoint weights unused: %s", len(unexpected), unexpected)
         else:
-            report = InitReport("", "scratch", [], sorted(_flatten(fresh)), [])
-        opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(fresh)
+            init_all = jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=param_shardings)
+            params = init_all(key)
+            report = InitReport("", "scratch", [], sorted(_flatten(params)), [])
+        opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(params)
         step = jax.device_put(np.int32(0), self.replicated)
-        return TrainState(step=step, params=fresh, opt_state=opt_state), shardings, report, 0
+        state = TrainState(step=step, params=params, opt_state=opt_state)
+        return state, shardings, report.as_dict(), 0
 
     # -------------------------------------------------------------------------- step / eval
     def compile(self, shardings: TrainState) -> None:
@@ -687,6 +744,16 @@ class _FineTuner:
         }
 
 
+def _fingerprint(features: Features) -> str:
+    """sha256 over the names, dtypes, shapes and bytes of the feature arrays."""
+    digest = hashlib.sha256()
+    for name in sorted(features.arrays):
+        array = np.ascontiguousarray(features.arrays[name])
+        digest.update(f"{name}:{array.dtype.str}:{array.shape};".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
 def _init_variables(
     spec: TaskSpec, model: nn.Module, rng: jax.Array, batch: Mapping[str, np.ndarray]
 ) -> PyTree:
@@ -731,7 +798,7 @@ def _run(tuner: _FineTuner) -> dict[str, Any]:
     state, shardings, report, start_step = tuner.create_state()
     tuner.compile(shardings)
     writer = metrics_writer.MetricsWriter(workdir, enabled=tuner.is_main)
-    writer.rewind(start_step)
+    writer.rewind(start_step)  # metric lines past the checkpoint are redone
     total = tuner.total_steps
     every = config.checkpoint_every_steps or max(total, 1)
     checkpointer = checkpointing.Checkpointer(
@@ -743,8 +810,15 @@ def _run(tuner: _FineTuner) -> dict[str, Any]:
         "head": heads.head_name(tuner.model),
         "num_labels": tuner.spec.num_labels,
         "config": json.loads(config.to_json_best_effort()),
+        "init": report,
     }
+    sigterm_after = int(config.debug.sigterm_after_step)
+    single_process = jax.process_count() == 1
+    # Single process: SIGTERM sets a flag read at step boundaries. Multi-process: JAX's
+    # preemption service owns SIGTERM and every process agrees on the save step (Orbax).
+    signal_flag = checkpointing.PreemptionSignal() if single_process else None
     results: dict[str, Any] = {}
+    preempted = False
     try:
         logging.info("fine-tuning %s: steps %d..%d", config.task, start_step + 1, total)
         interval_start, interval_step = time.perf_counter(), start_step
@@ -755,36 +829,55 @@ def _run(tuner: _FineTuner) -> dict[str, Any]:
         # rendezvous until it aborts the process.)
         jax.block_until_ready(state)
         previous: tuple[int, jax.Array] | None = None
-        for step, batch in enumerate(tuner._train_batches(start_step), start=start_step + 1):
-            state, metrics = tuner.train_step(state, batch)
-            if previous is not None:
-                _check_finite(*previous)
-            previous = (step, metrics["loss"])
-            log_now = step % config.log_every_steps == 0 or step == total
-            eval_now = bool(config.eval_every_steps) and step % config.eval_every_steps == 0
-            save_now = step == total or checkpointer.should_save(step)
-            record: dict[str, Any] = {}
-            if log_now or save_now or eval_now:
-                values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                _check_finite(step, values["loss"])
-                now = time.perf_counter()
-                rate = config.batch_size * (step - interval_step) / max(now - interval_start, 1e-9)
-                interval_start, interval_step = now, step
-                record = {**values, "examples_per_sec": rate}
-            if eval_now and step != total:
-                eval_results, _ = tuner.evaluate(state.params)
-                record.update({f"eval_{k}": v for k, v in eval_results.items() if _is_number(v)})
-            if record:
-                writer.write(step, record)
-                logging.info("step %d/%d: %s", step, total, _short(record))
-            if save_now:
-                checkpointer.save(
-                    step, params=state.params, opt_state=state.opt_state,
-                    data={"step": step}, meta={**meta, "step": step}, force=step == total,
-                )  # fmt: skip
+        with signal_flag or contextlib.nullcontext():
+            for step, batch in enumerate(tuner._train_batches(start_step), start=start_step + 1):
+                state, metrics = tuner.train_step(state, batch)
+                if previous is not None:
+                    _check_finite(*previous)
+                previous = (step, metrics["loss"])
+                if step == sigterm_after:  # debugging hook: a preemption notice after this step
+                    os.kill(os.getpid(), signal.SIGTERM)
+                preempted = signal_flag is not None and signal_flag.requested
+                log_now = step % config.log_every_steps == 0 or step == total
+                eval_now = bool(config.eval_every_steps) and step % config.eval_every_steps == 0
+                save_now = preempted or step == total or checkpointer.should_save(step)
+                record: dict[str, Any] = {}
+                if log_now or save_now or eval_now:
+                    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    _check_finite(step, values["loss"])  # never checkpoint a non-finite state
+                    now = time.perf_counter()
+                    elapsed = max(now - interval_start, 1e-9)
+                    rate = config.batch_size * (step - interval_step) / elapsed
+                    interval_start, interval_step = now, step
+                    record = {**values, "examples_per_sec": rate}
+                if eval_now and step != total:
+                    eval_results, _ = tuner.evaluate(state.params)
+                    record.update(
+                        {f"eval_{k}": v for k, v in eval_results.items() if _is_number(v)}
+                    )
+                if record:
+                    writer.write(step, record)
+                    logging.info("step %d/%d: %s", step, total, _short(record))
+                if save_now:
+                    checkpointer.save(
+                        step, params=state.params, opt_state=state.opt_state,
+                        data=tuner.data_state(step), meta={**meta, "step": step},
+                        force=preempted or step == total,
+                    )  # fmt: skip
+                if not single_process and checkpointer.reached_preemption(step):
+                    preempted = True
+                if preempted:
+                    if step < total:
+                        logging.warning("preempted: checkpoint of step %d saved, exiting", step)
+                        break
+                    preempted = False  # the last step: finish the run normally
+        if preempted:
+            checkpointer.wait()
+            return {"task": config.task, "step": step, "preempted": True,
+                    "checkpoint_step": checkpointer.latest_step()}  # fmt: skip
         if total == 0 and start_step == 0:
             checkpointer.save(
-                0, params=state.params, opt_state=state.opt_state, data={"step": 0},
+                0, params=state.params, opt_state=state.opt_state, data=tuner.data_state(0),
                 meta={**meta, "step": 0}, force=True,
             )  # fmt: skip
         eval_results, predictions = tuner.evaluate(state.params)
@@ -793,10 +886,12 @@ def _run(tuner: _FineTuner) -> dict[str, Any]:
         results = {"task": config.task, "step": int(max(step, start_step)), **eval_results}
         results["data"] = tuner.data_report()
         if report is not None:
-            results["init"] = report.as_dict()
+            results["init"] = report
         elif os.path.exists(os.path.join(workdir, EVAL_RESULTS_FILE)):
+            # A checkpoint written before init reports went into `meta`: the first attempt's.
             with open(os.path.join(workdir, EVAL_RESULTS_FILE), encoding="utf-8") as f:
-                results["init"] = json.load(f).get("init")  # the report of the first attempt
+                results["init"] = json.load(f).get("init")
+        results["preempted"] = False
         if tuner.is_main:
             results["prediction_files"] = tuner.write_predictions(predictions)
             _write_json(os.path.join(workdir, EVAL_RESULTS_FILE), results)

@@ -117,6 +117,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.checkpoint_every_steps = 0  # save every N steps too (0: only at the end)
     c.keep_checkpoints = 1  # checkpoints kept
 
+    # --- debugging hooks (0 = off); the tests use them to exercise preemption and resume
+    c.debug = ml_collections.ConfigDict()
+    c.debug.sigterm_after_step = 0  # the loop sends itself SIGTERM after this step
+
     if task in GLUE_PRESETS or task in LOCAL_PRESETS:
         lr, batch, steps, warmup, length, dropout = {**GLUE_PRESETS, **LOCAL_PRESETS}[task]
         c.learning_rate, c.batch_size, c.eval_batch_size = lr, batch, max(batch, 32)

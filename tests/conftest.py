@@ -23,6 +23,20 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+# A persistent compilation cache for this session only (set before anything compiles; child
+# processes such as the notebook kernel inherit it): programs that several tests compile
+# identically (a fine-tuning run, its resumed restart, an eval-only replay) compile once. A
+# fresh directory per session keeps the tests hermetic; a cache set by the caller is kept.
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    import atexit
+    import shutil
+    import tempfile
+
+    _jax_cache = tempfile.mkdtemp(prefix="albert_jax_test_cache_")
+    atexit.register(shutil.rmtree, _jax_cache, True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _jax_cache
+    jax.config.update("jax_compilation_cache_dir", _jax_cache)
+
 
 @pytest.fixture(scope="session")
 def shared_data() -> str:

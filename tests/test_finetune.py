@@ -9,6 +9,7 @@ test module that asks gets the same files).
 
 from __future__ import annotations
 
+import functools
 import gzip
 import itertools
 import json
@@ -89,7 +90,7 @@ def pretrained_workdir(tmp_path_factory, shared_data: str, sharing: str = "all")
     config.num_train_steps, config.warmup_steps, config.learning_rate = 60, 10, 1e-3
     config.log_every_steps, config.eval_every_steps, config.eval_batches = 10, 30, 2
     config.checkpoint_every_steps = 60
-    config.data.data_dir = str(root / f"finetune_tfds_{sharing}")
+    config.data.data_dir = str(root / "finetune_tfds")  # the corpus, built once for both
     config.data.tokenizer = tiny_tokenizer_path(tmp_path_factory, shared_data)
     config.data.num_workers = 0
     train.train_and_evaluate(config, str(workdir))
@@ -112,13 +113,40 @@ def small_config(task: str, init: str, shared_data: str, **overrides):
     config = get_config(f"task={task},init={init}")
     config.data.train_files, config.data.eval_files = task_files(shared_data, task)
     config.log_every_steps = 25
+    _override(config, overrides)
+    return config
+
+
+def tiny_scratch_config(task: str, tokenizer: str, **overrides):
+    """`configs/finetune.py:task=TASK` from scratch (no init) on TINY_MODEL, for seconds-long
+    runs: 12 AdamW steps of 32 sequences of 32 tokens, dropout on, params sharded over a
+    (data 2, fsdp 2, tensor 2) mesh of the 8 test devices, a checkpoint every 4 steps.
+
+    Tests that keep these shapes (the resume runs, glue/sst2 from catalog files) compile the
+    same programs, which the session's compilation cache (conftest) then compiles once.
+    """
+    config = get_config(f"task={task}")
+    config.size = "tiny"
+    for key, value in TINY_MODEL.items():
+        config.model[key] = value
+    config.model.hidden_dropout_prob = config.model.attention_probs_dropout_prob = 0.1
+    config.data.tokenizer = tokenizer
+    config.num_train_steps, config.warmup_steps, config.learning_rate = 12, 2, 1e-3
+    config.batch_size, config.eval_batch_size, config.max_seq_length = 32, 64, 32
+    config.log_every_steps, config.checkpoint_every_steps, config.keep_checkpoints = 1, 4, 5
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2
+    _override(config, overrides)
+    return config
+
+
+def _override(config, overrides: dict) -> None:
+    """Sets dotted keys ("data.max_train_examples") of a ConfigDict."""
     for key, value in overrides.items():
         node = config
         *parents, leaf = key.split(".")
         for p in parents:
             node = node[p]
         node[leaf] = value
-    return config
 
 
 def _read_results(workdir) -> dict:
@@ -211,32 +239,84 @@ def test_sentiment_rt_beats_the_majority_class(pretrained, shared_data, tmp_path
     assert replay["accuracy"] == pytest.approx(results["accuracy"], abs=1e-6)
 
 
-def test_mc_cosmosqa_beats_chance(pretrained, shared_data, tmp_path):
-    config = small_config(
-        "mc_cosmosqa", pretrained, shared_data,
+def cosmos_config(init: str, shared_data: str, **overrides):
+    """The mc_cosmosqa run of these tests (test_catalog_tasks evaluates its model on RACE)."""
+    settings = dict(
         learning_rate=1e-3, num_train_steps=250, warmup_steps=25, batch_size=16,
         eval_batch_size=64, max_seq_length=64, max_qa_length=24,
     )  # fmt: skip
-    results = finetune.finetune_and_evaluate(config, str(tmp_path / "cosmos"))
+    return small_config("mc_cosmosqa", init, shared_data, **{**settings, **overrides})
+
+
+def squad_shifts_config(init: str, shared_data: str, **overrides):
+    """The SQuAD-Shifts run of these tests: train on new_wiki, evaluate on nyt (test_catalog_tasks
+    repeats it through TFDS squad/v1.1 files)."""
+    settings = dict(
+        learning_rate=1e-3, num_train_steps=60, warmup_steps=6, batch_size=16,
+        eval_batch_size=64, max_seq_length=128, doc_stride=64, max_query_length=24,
+    )  # fmt: skip
+    settings.update({"data.max_train_examples": 400, "data.max_eval_examples": 120})
+    return small_config("squad_shifts", init, shared_data, **{**settings, **overrides})
+
+
+def _cached_run(tmp_path_factory, name: str, make_config) -> str:
+    """Runs `finetune_and_evaluate(make_config(), BASETEMP/name)` once per session (cached on
+    disk like `pretrained_workdir`, so other test modules reuse the run); returns the workdir.
+    A run left unfinished by an earlier failure resumes from its checkpoint."""
+    workdir = tmp_path_factory.getbasetemp() / name
+    if not (workdir / finetune.EVAL_RESULTS_FILE).exists():
+        finetune.finetune_and_evaluate(make_config(), str(workdir))
+    return str(workdir)
+
+
+def cosmos_run(tmp_path_factory, shared_data: str) -> str:
+    """mc_cosmosqa fine-tuned from the pretrained tiny model (workdir)."""
+    init = pretrained_workdir(tmp_path_factory, shared_data)
+    make = functools.partial(cosmos_config, init, shared_data)
+    return _cached_run(tmp_path_factory, "finetune_cosmos", make)
+
+
+def squad_shifts_run(tmp_path_factory, shared_data: str) -> str:
+    """SQuAD-Shifts fine-tuned from the pretrained tiny model (workdir)."""
+    init = pretrained_workdir(tmp_path_factory, shared_data)
+    make = functools.partial(squad_shifts_config, init, shared_data)
+    return _cached_run(tmp_path_factory, "finetune_squad_shifts", make)
+
+
+def sentiment_tiny_config(tokenizer: str, shared_data: str, **overrides):
+    """tiny_scratch_config on the first 200 sentiment_rt train / 128 dev sentences. 200 / 32 =
+    6 steps an epoch: the 12 steps span two epochs (two data permutations)."""
+    train, dev = task_files(shared_data, "sentiment_rt")
+    return tiny_scratch_config(
+        "sentiment_rt", tokenizer,
+        **{"data.train_files": train, "data.eval_files": dev, "data.max_train_examples": 200,
+           "data.max_eval_examples": 128, **overrides},
+    )  # fmt: skip
+
+
+def sentiment_tiny_run(tmp_path_factory, shared_data: str) -> str:
+    """The sentiment_tiny_config run (the resume tests' straight run; glue/sst2 written from the
+    same records must reproduce it bit for bit)."""
+    spm = tiny_tokenizer_path(tmp_path_factory, shared_data)
+    make = functools.partial(sentiment_tiny_config, spm, shared_data)
+    return _cached_run(tmp_path_factory, "finetune_tiny_sentiment", make)
+
+
+def test_mc_cosmosqa_beats_chance(tmp_path_factory, shared_data):
+    results = _read_results(cosmos_run(tmp_path_factory, shared_data))
     print("mc_cosmosqa dev:", {k: results[k] for k in ("accuracy", "chance_accuracy")})
-    assert results["num_examples"] == 621
+    assert results["num_examples"] == 621 and results["step"] == 250
     assert 0.30 < results["chance_accuracy"] < 0.31  # 3 or 4 options per question
     assert results["accuracy"] > results["chance_accuracy"] + 0.03
 
 
-def test_squad_shifts_end_to_end(pretrained, shared_data, tmp_path):
-    workdir = tmp_path / "squad"
-    config = small_config(
-        "squad_shifts", pretrained, shared_data,
-        learning_rate=1e-3, num_train_steps=60, warmup_steps=6, batch_size=16,
-        eval_batch_size=64, max_seq_length=128, doc_stride=64, max_query_length=24,
-        **{"data.max_train_examples": 400, "data.max_eval_examples": 120},
-    )  # fmt: skip
-    results = finetune.finetune_and_evaluate(config, str(workdir))
+def test_squad_shifts_end_to_end(tmp_path_factory, shared_data):
+    workdir = squad_shifts_run(tmp_path_factory, shared_data)
+    results = _read_results(workdir)
     print("squad_shifts nyt:", {k: results[k] for k in ("exact_match", "f1")})
     assert results["total"] == 120 and results["missing_predictions"] == 0
     assert 0.0 <= results["exact_match"] <= results["f1"] <= 100.0
-    with open(workdir / "predictions.json") as f:
+    with open(os.path.join(workdir, "predictions.json")) as f:
         predictions = json.load(f)
     examples = local.read_squad(task_files(shared_data, "squad_shifts")[1])[:120]
     assert set(predictions) == {e.id for e in examples}
@@ -341,15 +421,24 @@ def test_init_from_foreign_checkpoints(source, tmp_path, tmp_path_factory, share
     spm = tiny_tokenizer_path(tmp_path_factory, shared_data)
     make = _hf_checkpoint if source == "hf" else _tf1_checkpoint
     init = make(tmp_path / source, spm)
-    # squad_v2 (the XLNet-style head) on SQuAD-format data: the whole v2 path in a few steps.
-    task = "squad_v2" if source == "hf" else "sentiment_rt"
-    config = small_config(
-        "sentiment_rt" if task == "sentiment_rt" else "squad_shifts", init, shared_data,
-        num_train_steps=4, warmup_steps=1, learning_rate=1e-4, batch_size=8, eval_batch_size=16,
-        max_seq_length=96, max_query_length=16, doc_stride=48,
-        **{"data.max_train_examples": 24, "data.max_eval_examples": 16},
-    )  # fmt: skip
-    config.task = task
+    if source == "hf":
+        # squad_v2 (the XLNet-style head) on SQuAD-format data: the whole v2 path in a few steps.
+        task, num_eval = "squad_v2", 16
+        config = small_config(
+            "squad_shifts", init, shared_data,
+            num_train_steps=4, warmup_steps=1, learning_rate=1e-4, batch_size=8,
+            eval_batch_size=16, max_seq_length=96, max_query_length=16, doc_stride=48,
+            **{"data.max_train_examples": 24, "data.max_eval_examples": 16},
+        )  # fmt: skip
+        config.task = task
+    else:
+        # The tiny sentiment run with the TF1 weights instead of a random init: the official
+        # layout gives the same architecture, so the run reuses its compiled train step.
+        task, num_eval = "sentiment_rt", 128
+        config = sentiment_tiny_config(spm, shared_data)
+        for field in TINY_MODEL:  # the architecture now comes from albert_config.json
+            del config.model[field]
+        config.init = init
     results = finetune.finetune_and_evaluate(config, str(tmp_path / "run"))
     init_report = results["init"]
     assert init_report["source"] == source and init_report["loaded"] > 20
@@ -363,4 +452,5 @@ def test_init_from_foreign_checkpoints(source, tmp_path, tmp_path_factory, share
             na_probs = json.load(f)
         assert len(na_probs) == 16 and all(0.0 <= p <= 1.0 for p in na_probs.values())
     else:
-        assert results["num_examples"] == 16 and 0.0 <= results["accuracy"] <= 1.0
+        assert results["num_examples"] == num_eval and 0.0 <= results["accuracy"] <= 1.0
+        assert results["step"] == 12

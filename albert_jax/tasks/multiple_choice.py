@@ -84,7 +84,11 @@ def multiple_choice_features(
         "input_ids": input_ids,
         "segment_ids": segment_ids,
         "input_mask": input_mask,
-        "option_mask": np.array([e.option_mask for e in examples], np.int32).reshape(n, -1),
+        # reshape(n, C), not (n, -1): no examples (an evaluation-only run's training set)
+        # gives an empty [0, 0] mask instead of an error.
+        "option_mask": np.array([e.option_mask for e in examples], np.int32).reshape(
+            n, num_choices
+        ),
         "label": np.array([e.label for e in examples], np.int32).reshape(n),
     }
     return Features(arrays, stats)

@@ -1,7 +1,8 @@
 """RACE from the TFDS catalog (`race/middle`, `race/high`), used as is from a prepared data dir.
 
 A TFDS record is one article with all its questions: `article` (bytes), `questions` [Q],
-`answers` [Q] ("A".."D"), `options` [Q, 4], `example_id`. `race_examples` turns it into one
+`answers` [Q] ("A".."D"), `options` [Q, 4] (a tf.RaggedTensor from `tfds.as_numpy`: the spec's
+inner dimensions are ragged) and `example_id`. `race_examples` turns it into one
 `MultipleChoiceExample` per question (label = index of the answer letter). The official ALBERT
 setup trains on middle and high together and reports the accuracy on both.
 """
@@ -26,6 +27,17 @@ def _text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
+def _option_rows(value: Any) -> list[list[Any]]:
+    """The [Q, options] field as nested lists. `tfds.as_numpy` leaves it a `tf.RaggedTensor`
+    (its inner dimensions are ragged in the feature spec), whose rows iterate as tf.Tensors:
+    convert it whole, as numpy arrays and plain lists are."""
+    if hasattr(value, "to_list"):  # tf.RaggedTensor / RaggedTensorValue
+        return [list(row) for row in value.to_list()]
+    if isinstance(value, np.ndarray):
+        return [list(row) for row in value.tolist()]
+    return [list(row) for row in value]
+
+
 def race_examples(
     record: Mapping[str, Any], stats: ReadStats | None = None
 ) -> list[MultipleChoiceExample]:
@@ -40,7 +52,7 @@ def race_examples(
     article_id = _text(record.get("example_id", b"")) or "race"
     questions = [_text(q) for q in np.asarray(record["questions"], dtype=object).reshape(-1)]
     answers = [_text(a) for a in np.asarray(record["answers"], dtype=object).reshape(-1)]
-    options = [[_text(o) for o in row] for row in record["options"]]
+    options = [[_text(o) for o in row] for row in _option_rows(record["options"])]
     if not len(questions) == len(answers) == len(options):
         raise BadRecordError(
             "ragged_questions",
