@@ -1,0 +1,304 @@
+"""Training-step throughput and MFU: our jitted step vs HF Flax and HF PyTorch ALBERT.
+
+`python benchmarks/train_step.py --size=base --batch=8 --seq=128 --json` prints one JSON line.
+Every contender runs the same protocol in the same process, one after the other: the official
+architecture of `--size`, no dropout, a batch of `--batch` sequences of `--seq` tokens with
+`--preds` masked positions each, forward + backward of MLM loss (on the masked positions) +
+sentence-order loss, then an AdamW update; `--steps` timed steps after `--warmup` untimed ones,
+the median step time reported.
+
+- ours: `albert_jax.train.make_train_step` (the step `train_and_evaluate` runs) on one device,
+  with the optimizer switched to AdamW; the MLM head runs on the gathered masked positions only.
+  Measured twice: the default config (`nn.scan` over the layers) and `ours_unrolled`
+  (`model.scan_layers=False`).
+- hf_flax: transformers 4.x `FlaxAlbertForPreTraining` (computes MLM logits at every position;
+  the loss then reads the masked ones), optax AdamW, one `jax.jit` with donated state.
+- hf_torch: transformers `AlbertForPreTraining` with `labels` = -100 outside the masked
+  positions, `torch.optim.AdamW`, eval mode (no dropout), torch threads = CPU cores.
+
+MFU counts model FLOPs honestly (`albert_jax.flops`, PERF_ANCHORS.md §4): every layer
+application, attention, the E→H projection, the MLM head on the predicted positions only, the
+pooler and SOP classifier, training = 3 × forward. The same model FLOPs are credited to every
+contender, so MFU ratios equal throughput ratios. The peak is the float32 matmul FLOP/s that
+`jax.jit(jnp.matmul)` reaches in this process (`--peak_size`), measured before and after the
+contenders (best of both), since a CPU has no trustworthy spec-sheet figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from albert_jax import flops, train  # noqa: E402
+from albert_jax.config import ModelConfig  # noqa: E402
+from albert_jax.model import AlbertForPreTraining  # noqa: E402
+from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh  # noqa: E402
+from configs import pretrain  # noqa: E402
+
+LEARNING_RATE = 1e-4  # constant: the schedule does not change the work of a step
+WEIGHT_DECAY = 0.01
+
+
+def make_batch(batch: int, seq: int, preds: int, vocab: int, seed: int = 0) -> dict[str, Any]:
+    """One synthetic pretraining batch in the pipeline's layout (numpy, [batch, seq] etc.).
+
+    Token ids are random (the work of a step does not depend on them); two segments of equal
+    length, no padding, `preds` distinct masked positions per sequence.
+    """
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(5, vocab, size=(batch, seq), dtype=np.int32)
+    segment = np.zeros((batch, seq), np.int32)
+    segment[:, seq // 2 :] = 1
+    positions = np.sort(
+        np.stack([rng.choice(np.arange(1, seq - 1), preds, replace=False) for _ in range(batch)]),
+        axis=1,
+    ).astype(np.int32)
+    return dict(
+        input_ids=ids,
+        segment_ids=segment,
+        input_mask=np.ones((batch, seq), np.int32),
+        masked_lm_positions=positions,
+        masked_lm_ids=np.take_along_axis(ids, positions, 1),
+        masked_lm_weights=np.ones((batch, preds), np.float32),
+        sentence_order_label=rng.integers(0, 2, size=(batch,), dtype=np.int32),
+    )
+
+
+def _time_steps(step: Callable[[], Any], warmup: int, steps: int) -> list[float]:
+    """Runs `step` (which must block until its result is ready) and returns timed seconds."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def ours(args: argparse.Namespace, batch: dict[str, Any], scan: bool) -> dict[str, Any]:
+    config = pretrain.get_config(f"size={args.size}")
+    config.batch_size = args.batch
+    config.seq_len = args.seq
+    config.max_predictions_per_seq = args.preds
+    config.optimizer = "adamw"
+    config.learning_rate = LEARNING_RATE
+    config.warmup_steps = 0
+    config.weight_decay = WEIGHT_DECAY
+    config.model.remat_policy = args.remat
+    config.model.scan_layers = scan
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 1
+    model_config = train.model_config_from(config)
+    model = AlbertForPreTraining(model_config)
+    mesh = create_mesh((1, 1, 1), jax.devices()[:1])
+    with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
+        tx, _, shardings, initialize = train.create_train_state(config, model, mesh)
+        state = initialize()
+        step_fn = jax.jit(
+            train.make_train_step(config, model, tx),
+            in_shardings=(shardings, None),
+            out_shardings=(shardings, None),
+            donate_argnums=(0,),
+        )
+        device_batch = jax.device_put(batch, jax.devices()[0])
+        start = time.perf_counter()
+        compiled = step_fn.lower(state, device_batch).compile()
+        compile_s = time.perf_counter() - start
+        holder = [state]
+
+        def step() -> None:
+            holder[0], metrics = compiled(holder[0], device_batch)
+            jax.block_until_ready(metrics["loss"])
+
+        times = _time_steps(step, args.warmup, args.steps)
+    return dict(times=times, compile_s=compile_s)
+
+
+def hf_config(args: argparse.Namespace) -> Any:
+    from transformers import AlbertConfig
+
+    preset = ModelConfig.preset(args.size)
+    return AlbertConfig(
+        vocab_size=preset.vocab_size,
+        embedding_size=preset.embedding_size,
+        hidden_size=preset.hidden_size,
+        num_hidden_layers=preset.num_hidden_layers,
+        num_attention_heads=preset.num_attention_heads,
+        intermediate_size=preset.intermediate_size,
+        max_position_embeddings=preset.max_position_embeddings,
+        hidden_act="gelu_new",  # the official tanh-approximate GELU, as ours
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        classifier_dropout_prob=0.0,
+    )
+
+
+def hf_flax(args: argparse.Namespace, batch: dict[str, Any]) -> dict[str, Any] | None:
+    try:
+        from transformers import FlaxAlbertForPreTraining
+    except ImportError:
+        return None
+    model = FlaxAlbertForPreTraining(hf_config(args), input_shape=(1, args.seq), seed=0)
+    module = model.module
+    tx = optax.adamw(LEARNING_RATE, b1=0.9, b2=0.999, eps=1e-6, weight_decay=WEIGHT_DECAY)
+    params = model.params
+    state = (params, tx.init(params))
+    position_ids = np.broadcast_to(np.arange(args.seq, dtype=np.int32), (args.batch, args.seq))
+
+    def train_step(state, b):
+        params, opt_state = state
+
+        def loss_fn(p):
+            out = module.apply(
+                {"params": p},
+                b["input_ids"],
+                b["input_mask"],
+                b["segment_ids"],
+                position_ids,
+                deterministic=True,
+            )
+            # HF computes MLM logits at every position; the loss reads the masked ones.
+            logits = jnp.take_along_axis(
+                out.prediction_logits, b["masked_lm_positions"][..., None], 1
+            )
+            mlm = optax.softmax_cross_entropy_with_integer_labels(logits, b["masked_lm_ids"])
+            mlm = jnp.sum(mlm * b["masked_lm_weights"]) / jnp.sum(b["masked_lm_weights"])
+            sop = optax.softmax_cross_entropy_with_integer_labels(
+                out.sop_logits, b["sentence_order_label"]
+            )
+            return mlm + jnp.mean(sop)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    jitted = jax.jit(train_step, donate_argnums=(0,))
+    device_batch = jax.device_put(batch, jax.devices()[0])
+    start = time.perf_counter()
+    compiled = jitted.lower(state, device_batch).compile()
+    compile_s = time.perf_counter() - start
+    holder = [state]
+
+    def step() -> None:
+        holder[0], loss = compiled(holder[0], device_batch)
+        jax.block_until_ready(loss)
+
+    return dict(times=_time_steps(step, args.warmup, args.steps), compile_s=compile_s)
+
+
+def hf_torch(args: argparse.Namespace, batch: dict[str, Any]) -> dict[str, Any] | None:
+    try:
+        import torch
+        from transformers import AlbertForPreTraining as TorchAlbert
+    except ImportError:
+        return None
+    torch.manual_seed(0)
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = TorchAlbert(hf_config(args)).eval()  # eval: no dropout anywhere (SOP head too)
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=LEARNING_RATE,
+        betas=(0.9, 0.999),
+        eps=1e-6,
+        weight_decay=WEIGHT_DECAY,
+    )
+    labels = np.full(batch["input_ids"].shape, -100, np.int64)
+    np.put_along_axis(labels, batch["masked_lm_positions"], batch["masked_lm_ids"], 1)
+    inputs = dict(
+        input_ids=torch.from_numpy(batch["input_ids"].astype(np.int64)),
+        attention_mask=torch.from_numpy(batch["input_mask"].astype(np.int64)),
+        token_type_ids=torch.from_numpy(batch["segment_ids"].astype(np.int64)),
+        labels=torch.from_numpy(labels),
+        sentence_order_label=torch.from_numpy(batch["sentence_order_label"].astype(np.int64)),
+    )
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(**inputs).loss.backward()
+        opt.step()
+
+    return dict(times=_time_steps(step, args.warmup, args.steps), compile_s=0.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON line")
+    parser.add_argument("--size", default="base", choices=pretrain.SIZES)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--preds", type=int, default=20, help="masked positions per sequence")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per contender")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per contender")
+    parser.add_argument("--remat", default="none", help="our model.remat_policy")
+    parser.add_argument(
+        "--no_unrolled", action="store_true", help="skip ours with scan_layers=False"
+    )
+    parser.add_argument("--peak_size", type=int, default=2048, help="square matmul for the peak")
+    parser.add_argument("--no_hf", action="store_true", help="skip both HF peers")
+    args = parser.parse_args()
+
+    model_config = ModelConfig.preset(args.size)
+    batch = make_batch(args.batch, args.seq, args.preds, model_config.vocab_size)
+    step_flops = flops.train_flops_per_step(model_config, args.batch, args.seq, args.preds)
+    peaks = [flops.measure_cpu_matmul_peak.__wrapped__(args.peak_size, 5)]
+
+    # ours: the default config (nn.scan over the layers: compile time independent of depth);
+    # ours_unrolled: model.scan_layers=False, a Python loop over the layers (same math and
+    # parameters; XLA:CPU schedules straight-line code better than a loop body).
+    runs = {"ours": ours(args, batch, scan=True)}
+    if not args.no_unrolled:
+        runs["ours_unrolled"] = ours(args, batch, scan=False)
+    if not args.no_hf:
+        for name, fn in (("hf_flax", hf_flax), ("hf_torch", hf_torch)):
+            run = fn(args, batch)
+            if run is not None:
+                runs[name] = run
+    peaks.append(flops.measure_cpu_matmul_peak.__wrapped__(args.peak_size, 5))
+    peak = max(peaks)
+
+    result: dict[str, Any] = {
+        "benchmark": "train_step",
+        "backend": jax.default_backend(),
+        "size": args.size,
+        "batch": args.batch,
+        "seq": args.seq,
+        "preds": args.preds,
+        "cpu_cores": os.cpu_count(),
+        "model_gflop_per_step": round(step_flops / 1e9, 2),
+        "matmul_peak_gflops": round(peak / 1e9, 1),
+        "matmul_peak_gflops_before_after": [round(p / 1e9, 1) for p in peaks],
+    }
+    for name, run in runs.items():
+        median = statistics.median(run["times"])
+        result[f"{name}_step_s"] = round(median, 4)
+        result[f"{name}_seq_per_s"] = round(args.batch / median, 3)
+        result[f"{name}_mfu"] = round(step_flops / median / peak, 3)
+        if run["compile_s"]:
+            result[f"{name}_compile_s"] = round(run["compile_s"], 1)
+    for name in ("ours", "ours_unrolled"):
+        for peer in ("hf_flax", "hf_torch"):
+            if name in runs and peer in runs:
+                result[f"{name}_over_{peer}"] = round(
+                    result[f"{name}_seq_per_s"] / result[f"{peer}_seq_per_s"], 3
+                )
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
