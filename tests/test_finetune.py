@@ -84,7 +84,7 @@ def pretrained_workdir(tmp_path_factory, shared_data: str, sharing: str = "all")
     config = pretrain_config(f"size=tiny,sharing={sharing},data=documents={corpus}")
     for key, value in {**TINY_MODEL, "vocab_size": VOCAB_SIZE}.items():
         config.model[key] = value
-    config.seq_len, config.batch_size = 64, 32
+    config.seq_len, config.batch_size, config.max_predictions_per_seq = 64, 32, 10
     # LAMB at the tiny preset's 5e-3 drives such a short run into MLM's unigram phase, where
     # every position (so [CLS]) says the same; 1e-3 keeps the sentence visible to fine-tuning.
     config.num_train_steps, config.warmup_steps, config.learning_rate = 60, 10, 1e-3
