@@ -55,6 +55,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from albert_jax import checkpointing, heads, metrics_writer, optim
 from albert_jax.config import ModelConfig
+from albert_jax.convert import unflatten_params
 from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, create_mesh, resolve_mesh_shape
 from albert_jax.tasks import registry
 from albert_jax.tasks.batching import Features, eval_batches, train_batch
@@ -366,17 +367,6 @@ def _load_checkpoint(config: Any) -> tuple[Any, dict[str, np.ndarray]]:
     return pretrained, stored
 
 
-def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for path, value in flat.items():
-        node = tree
-        *parents, leaf = path.split("/")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
-    return tree
-
-
 # ----------------------------------------------------------------------------------------------
 # The run
 
@@ -614,7 +604,7 @@ class _FineTuner:
                 else jax.device_put(np.asarray(v, flat_abstract[k].dtype), flat_shardings[k])
                 for k, v in merged.items()
             }  # fmt: skip
-            params = jax.tree.map(lambda _, x: x, abstract, _unflatten(placed))
+            params = jax.tree.map(lambda _, x: x, abstract, unflatten_params(placed)["params"])
             source, path = self.init_source
             report = InitReport(path, source, loaded, missing, unexpected)
             logging.info("init from %s checkpoint %s: %d weights loaded", source, path, len(loaded))
