@@ -6,9 +6,9 @@ Compiles the real train step (`albert_jax.train.make_train_step`, LAMB, sharding
 logical-axis rules) for abstract inputs on a mesh of that shape — with virtual CPU devices when
 no accelerator is attached, so it runs on a laptop — and reads XLA's buffer assignment:
 bytes per device for parameters, optimizer state, the batch, and temporaries (activations kept
-for the backward pass plus scratch), once with `remat_policy=none` and once with `full` (or
-`--remat`). Nothing is allocated. Numbers from the CPU compiler are a close guide, not a TPU
-guarantee: the TPU compiler fuses and schedules differently.
+for the backward pass plus scratch), for `remat_policy` none, dots (the pretraining default)
+and full (or `--remat`). Nothing is allocated. Numbers from the CPU compiler are a close guide,
+not a TPU guarantee: the TPU compiler fuses and schedules differently.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from albert_jax.train import create_train_state, make_train_step  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Pretraining config (get_config).")
 flags.DEFINE_string("mesh", "1,8,1", "data,fsdp,tensor mesh shape to plan for.")
-_REMAT = flags.DEFINE_list("remat", ["none", "full"], "remat policies to compare.")
+_REMAT = flags.DEFINE_list("remat", ["none", "dots", "full"], "remat policies to compare.")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON line.")
 
 GiB = 2**30
