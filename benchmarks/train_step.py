@@ -4,13 +4,14 @@
 Every contender runs the same protocol in the same process, one after the other: the official
 architecture of `--size`, no dropout, a batch of `--batch` sequences of `--seq` tokens with
 `--preds` masked positions each, forward + backward of MLM loss (on the masked positions) +
-sentence-order loss, then an AdamW update; `--steps` timed steps after `--warmup` untimed ones,
-the median step time reported.
+sentence-order loss, then an AdamW update. After `--warmup` untimed steps each, the contenders
+take turns, one step each, for `--steps` rounds, and the median step time of each is reported:
+interleaving spreads the drift of a shared machine over all of them, so same-run ratios hold.
 
 - ours: `albert_jax.train.make_train_step` (the step `train_and_evaluate` runs) on one device,
   with the optimizer switched to AdamW; the MLM head runs on the gathered masked positions only.
-  Measured twice: the default config (`nn.scan` over the layers) and `ours_unrolled`
-  (`model.scan_layers=False`).
+  Measured twice: the default config (`nn.scan` over the layers, `remat_policy="dots"`) and
+  `ours_unrolled` (`model.scan_layers=False`).
 - hf_flax: transformers 4.x `FlaxAlbertForPreTraining` (computes MLM logits at every position;
   the loss then reads the masked ones), optax AdamW, one `jax.jit` with donated state.
 - hf_torch: transformers `AlbertForPreTraining` with `labels` = -100 outside the masked
@@ -79,15 +80,22 @@ def make_batch(batch: int, seq: int, preds: int, vocab: int, seed: int = 0) -> d
     )
 
 
-def _time_steps(step: Callable[[], Any], warmup: int, steps: int) -> list[float]:
-    """Runs `step` (which must block until its result is ready) and returns timed seconds."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
+def time_interleaved(
+    steps: dict[str, Callable[[], Any]], warmup: int, rounds: int
+) -> dict[str, list[float]]:
+    """Seconds of each contender's steps, timed in turns: round r runs one step of each.
+
+    Every `step` must block until its result is ready.
+    """
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
     return times
 
 
@@ -100,7 +108,8 @@ def ours(args: argparse.Namespace, batch: dict[str, Any], scan: bool) -> dict[st
     config.learning_rate = LEARNING_RATE
     config.warmup_steps = 0
     config.weight_decay = WEIGHT_DECAY
-    config.model.remat_policy = args.remat
+    if args.remat:
+        config.model.remat_policy = args.remat
     config.model.scan_layers = scan
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 1
     model_config = train.model_config_from(config)
@@ -121,12 +130,11 @@ def ours(args: argparse.Namespace, batch: dict[str, Any], scan: bool) -> dict[st
         compile_s = time.perf_counter() - start
         holder = [state]
 
-        def step() -> None:
-            holder[0], metrics = compiled(holder[0], device_batch)
-            jax.block_until_ready(metrics["loss"])
+    def step() -> None:
+        holder[0], metrics = compiled(holder[0], device_batch)
+        jax.block_until_ready(metrics["loss"])
 
-        times = _time_steps(step, args.warmup, args.steps)
-    return dict(times=times, compile_s=compile_s)
+    return dict(step=step, compile_s=compile_s)
 
 
 def hf_config(args: argparse.Namespace) -> Any:
@@ -198,7 +206,7 @@ def hf_flax(args: argparse.Namespace, batch: dict[str, Any]) -> dict[str, Any] |
         holder[0], loss = compiled(holder[0], device_batch)
         jax.block_until_ready(loss)
 
-    return dict(times=_time_steps(step, args.warmup, args.steps), compile_s=compile_s)
+    return dict(step=step, compile_s=compile_s)
 
 
 def hf_torch(args: argparse.Namespace, batch: dict[str, Any]) -> dict[str, Any] | None:
@@ -232,7 +240,7 @@ def hf_torch(args: argparse.Namespace, batch: dict[str, Any]) -> dict[str, Any] 
         model(**inputs).loss.backward()
         opt.step()
 
-    return dict(times=_time_steps(step, args.warmup, args.steps), compile_s=0.0)
+    return dict(step=step, compile_s=0.0)
 
 
 def main() -> None:
@@ -242,9 +250,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--preds", type=int, default=20, help="masked positions per sequence")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per contender")
+    parser.add_argument("--steps", type=int, default=7, help="timed steps per contender")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per contender")
-    parser.add_argument("--remat", default="none", help="our model.remat_policy")
+    parser.add_argument("--remat", default="", help="our model.remat_policy (default: config's)")
     parser.add_argument(
         "--no_unrolled", action="store_true", help="skip ours with scan_layers=False"
     )
@@ -268,6 +276,7 @@ def main() -> None:
             run = fn(args, batch)
             if run is not None:
                 runs[name] = run
+    times = time_interleaved({k: r["step"] for k, r in runs.items()}, args.warmup, args.steps)
     peaks.append(flops.measure_cpu_matmul_peak.__wrapped__(args.peak_size, 5))
     peak = max(peaks)
 
@@ -284,7 +293,7 @@ def main() -> None:
         "matmul_peak_gflops_before_after": [round(p / 1e9, 1) for p in peaks],
     }
     for name, run in runs.items():
-        median = statistics.median(run["times"])
+        median = statistics.median(times[name])
         result[f"{name}_step_s"] = round(median, 4)
         result[f"{name}_seq_per_s"] = round(args.batch / median, 3)
         result[f"{name}_mfu"] = round(step_flops / median / peak, 3)
