@@ -23,7 +23,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 
 import flax.linen as nn
@@ -31,7 +30,13 @@ import jax
 import numpy as np
 import pytest
 import test_train
-from test_train import assert_trees_equal, losses_by_step, make_config, small_overrides
+from test_train import (
+    assert_trees_equal,
+    losses_by_step,
+    main_command,
+    make_config,
+    small_overrides,
+)
 
 from albert_jax import checkpointing, metrics_writer, train
 from albert_jax.config import model_config_from
@@ -79,18 +84,14 @@ class Job:
     started at once; `wait()` collects them. Their output goes to files (no pipe to fill)."""
 
     def __init__(self, workdir, overrides, log_dir, *, processes, devices, jax_cache=None):
-        args = [
-            sys.executable, "-m", "albert_jax.main", "--config=configs/pretrain.py:size=tiny",
-            f"--workdir={workdir}",
-        ] + [f"--config.{k}={v}" for k, v in overrides.items()]  # fmt: skip
-        env = {
-            **os.environ,
-            "JAX_PLATFORMS": "cpu",
-            "JAX_NUM_CPU_DEVICES": str(devices),
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} "
+        args, env = main_command(
+            workdir,
+            overrides,
+            devices,
             "--xla_backend_optimization_level=0",
-            "TF_CPP_MIN_LOG_LEVEL": "2",
-        }
+            JAX_NUM_CPU_DEVICES=str(devices),
+            TF_CPP_MIN_LOG_LEVEL="2",
+        )
         if jax_cache:
             env["JAX_COMPILATION_CACHE_DIR"] = jax_cache
             env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"

@@ -91,19 +91,26 @@ def make_config(overrides):
     return config
 
 
-def run_main(workdir, overrides, corpus, timeout=600):
-    """`python -m albert_jax.main` in a subprocess on 8 CPU devices; returns the process."""
+def main_command(workdir, overrides, devices, xla_flags="", **env):
+    """(argv, environment) of `python -m albert_jax.main` on the tiny config with `overrides`,
+    on `devices` CPU devices; `env` adds variables."""
     args = [
         sys.executable, "-m", "albert_jax.main", "--config=configs/pretrain.py:size=tiny",
         f"--workdir={workdir}",
     ] + [f"--config.{k}={v}" for k, v in overrides.items()]  # fmt: skip
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JAX_COMPILATION_CACHE_DIR": corpus["jax_cache"],
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    }
+    flags = f"--xla_force_host_platform_device_count={devices} {xla_flags}".strip()
+    return args, {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags, **env}
+
+
+def run_main(workdir, overrides, corpus, timeout=600):
+    """`python -m albert_jax.main` in a subprocess on 8 CPU devices; returns the process."""
+    args, env = main_command(
+        workdir,
+        overrides,
+        8,
+        JAX_COMPILATION_CACHE_DIR=corpus["jax_cache"],
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    )
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, timeout=timeout, text=True)
 
 
