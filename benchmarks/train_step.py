@@ -1,7 +1,7 @@
 """Training-step throughput and MFU: our jitted step vs HF Flax and HF PyTorch ALBERT.
 
 `python benchmarks/train_step.py --size=base --batch=8 --seq=128 --json` prints one JSON line.
-Every contender runs the same protocol in the same process, one after the other: the official
+Every contender runs the same protocol in the same process: the official
 architecture of `--size`, no dropout, a batch of `--batch` sequences of `--seq` tokens with
 `--preds` masked positions each, forward + backward of MLM loss (on the masked positions) +
 sentence-order loss, then an AdamW update. After `--warmup` untimed steps each, the contenders
