@@ -56,12 +56,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from albert_jax import checkpointing, heads, metrics_writer, optim
 from albert_jax.config import ModelConfig
 from albert_jax.convert import unflatten_params
-from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, create_mesh, resolve_mesh_shape
+from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, create_mesh
 from albert_jax.tasks import registry
 from albert_jax.tasks.batching import Features, eval_batches, train_batch
 from albert_jax.tasks.local import ReadStats
 from albert_jax.tasks.registry import TaskSpec
-from albert_jax.train import TrainState
+from albert_jax.train_config import mesh_layout
+from albert_jax.train_step import TrainState, put_batch
 
 __all__ = [
     "finetune_and_evaluate",
@@ -371,19 +372,6 @@ def _load_checkpoint(config: Any) -> tuple[Any, dict[str, np.ndarray]]:
 # The run
 
 
-def _mesh(config: Any) -> Mesh:
-    shape = tuple(int(config.mesh[a]) for a in ("data", "fsdp", "tensor"))
-    devices = jax.devices()
-    # An explicit mesh smaller than the host uses its first devices (single-process only).
-    if -1 not in shape and math.prod(shape) < len(devices) and jax.process_count() == 1:
-        devices = devices[: math.prod(shape)]
-    try:
-        resolve_mesh_shape(shape, len(devices))
-    except ValueError as e:
-        raise ValueError(f"config.mesh (data, fsdp, tensor)={shape}: {e}") from None
-    return create_mesh(shape, devices=devices)
-
-
 def _check_batch(name: str, value: int, mesh: Mesh) -> None:
     split = mesh.shape["data"] * mesh.shape["fsdp"]
     if value % split or value % jax.process_count():
@@ -394,15 +382,12 @@ def _check_batch(name: str, value: int, mesh: Mesh) -> None:
 
 
 def _put(batch: Mapping[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-    """A global host batch -> global arrays; each process contributes its rows."""
-    if jax.process_count() == 1:
-        return jax.device_put(dict(batch), sharding)
-    n, i = jax.process_count(), jax.process_index()
-    out = {}
-    for k, v in batch.items():
-        rows = len(v) // n
-        out[k] = jax.make_array_from_process_local_data(sharding, v[i * rows : (i + 1) * rows])
-    return out
+    """A global host batch [B, ...] (every process reads all of it) -> global arrays; each
+    process contributes its rows [p·B/n, (p+1)·B/n)."""
+    global_batch = len(next(iter(batch.values())))
+    rows, first = global_batch // jax.process_count(), jax.process_index()
+    local = {k: v[first * rows : (first + 1) * rows] for k, v in batch.items()}
+    return put_batch(local, sharding, global_batch)
 
 
 def _fetch(tree: PyTree) -> PyTree:
@@ -778,7 +763,7 @@ def finetune_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
         os.makedirs(workdir, exist_ok=True)
         with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
             f.write(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
-    mesh = _mesh(config)
+    mesh = create_mesh(*mesh_layout(config))
     with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
         return _run(_FineTuner(config, workdir, spec, mesh))
 
