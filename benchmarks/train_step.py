@@ -22,7 +22,10 @@ application, attention, the E→H projection, the MLM head on the predicted posi
 pooler and SOP classifier, training = 3 × forward. The same model FLOPs are credited to every
 contender, so MFU ratios equal throughput ratios. The peak is the float32 matmul FLOP/s that
 `jax.jit(jnp.matmul)` reaches in this process (`--peak_size`), measured before and after the
-contenders (best of both), since a CPU has no trustworthy spec-sheet figure.
+contenders (best of both), since a CPU has no trustworthy spec-sheet figure. When torch is
+installed, `torch_matmul_peak_gflops` reports the same square matmul through `torch.matmul`
+(oneDNN/MKL), measured alongside: the ceiling of the PyTorch peer, which bounds how far any
+contender can outrun it (MFU stays against the XLA peak).
 """
 
 from __future__ import annotations
@@ -209,6 +212,24 @@ def hf_flax(args: argparse.Namespace, batch: dict[str, Any]) -> dict[str, Any] |
     return dict(step=step, compile_s=compile_s)
 
 
+def torch_matmul_peak(size: int, repeats: int) -> float | None:
+    """FLOP/s of a float32 [size, size] `torch.matmul` on the CPU, best of `repeats`."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(os.cpu_count() or 1)
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, generator=generator) for _ in range(2))
+    torch.matmul(a, b)  # warm the caches and the thread pool
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size**3 / best
+
+
 def hf_torch(args: argparse.Namespace, batch: dict[str, Any]) -> dict[str, Any] | None:
     try:
         import torch
@@ -264,6 +285,7 @@ def main() -> None:
     batch = make_batch(args.batch, args.seq, args.preds, model_config.vocab_size)
     step_flops = flops.train_flops_per_step(model_config, args.batch, args.seq, args.preds)
     peaks = [flops.measure_cpu_matmul_peak.__wrapped__(args.peak_size, 5)]
+    torch_peaks = [] if args.no_hf else [torch_matmul_peak(args.peak_size, 5)]
 
     # ours: the default config (nn.scan over the layers: compile time independent of depth);
     # ours_unrolled: model.scan_layers=False, a Python loop over the layers (same math and
@@ -279,6 +301,8 @@ def main() -> None:
     times = time_interleaved({k: r["step"] for k, r in runs.items()}, args.warmup, args.steps)
     peaks.append(flops.measure_cpu_matmul_peak.__wrapped__(args.peak_size, 5))
     peak = max(peaks)
+    if torch_peaks and torch_peaks[0] is not None:
+        torch_peaks.append(torch_matmul_peak(args.peak_size, 5))
 
     result: dict[str, Any] = {
         "benchmark": "train_step",
@@ -292,6 +316,9 @@ def main() -> None:
         "matmul_peak_gflops": round(peak / 1e9, 1),
         "matmul_peak_gflops_before_after": [round(p / 1e9, 1) for p in peaks],
     }
+    if len(torch_peaks) == 2:
+        result["torch_matmul_peak_gflops"] = round(max(torch_peaks) / 1e9, 1)
+        result["torch_matmul_peak_gflops_before_after"] = [round(p / 1e9, 1) for p in torch_peaks]
     for name, run in runs.items():
         median = statistics.median(times[name])
         result[f"{name}_step_s"] = round(median, 4)
