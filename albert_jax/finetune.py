@@ -385,8 +385,8 @@ def _put(batch: Mapping[str, np.ndarray], sharding: NamedSharding) -> dict[str, 
     """A global host batch [B, ...] (every process reads all of it) -> global arrays; each
     process contributes its rows [p·B/n, (p+1)·B/n)."""
     global_batch = len(next(iter(batch.values())))
-    rows, first = global_batch // jax.process_count(), jax.process_index()
-    local = {k: v[first * rows : (first + 1) * rows] for k, v in batch.items()}
+    rows, p = global_batch // jax.process_count(), jax.process_index()
+    local = {k: v[p * rows : (p + 1) * rows] for k, v in batch.items()}
     return put_batch(local, sharding, global_batch)
 
 
