@@ -6,6 +6,9 @@ Counting rules (PERF_ANCHORS.md §4), for one sequence of S tokens with P predic
 - a layer: Q, K, V, O projections 4·H² and the FFN 2·H·F (F = intermediate_size) multiply-adds
   per token, plus the attention scores Q·Kᵀ and the context softmax·V, 2·S²·H multiply-adds
   per sequence;
+- when only T rows of the last layer are read (pretraining: [CLS] and the P masked positions,
+  T = 1 + P, `last_layer_positions`), that application computes keys and values at all S
+  tokens (2·H² each) but queries, O, FFN and attention at T rows only, and is counted so;
 - the factorized embedding's E→H projection, E·H per token (absent when E = H, as in the
   official TF model and BERT);
 - the MLM head on the P gathered positions only: transform H·E, then the tied decoder E·V;
@@ -93,7 +96,10 @@ def _positive_int(name: str, value: Any) -> int:
 
 
 def forward_flops_per_sequence(
-    config: Any, seq_len: int, max_predictions_per_seq: int
+    config: Any,
+    seq_len: int,
+    max_predictions_per_seq: int,
+    last_layer_positions: int | None = None,
 ) -> ForwardFlops:
     """Forward FLOPs of one sequence.
 
@@ -103,6 +109,8 @@ def forward_flops_per_sequence(
       seq_len: S, tokens per sequence (padding included: it is computed).
       max_predictions_per_seq: P, gathered MLM positions per sequence (seq_len if the head runs
         on every position).
+      last_layer_positions: T, the rows at which the last layer application runs (1 + P in
+        the pretraining step, which reads only [CLS] and the masked positions); None = S.
     """
     for field in _SHAPE_FIELDS:
         if not hasattr(config, field):
@@ -116,28 +124,46 @@ def forward_flops_per_sequence(
     if isinstance(P, bool) or not isinstance(P, int) or P < 0:
         raise ValueError(f"max_predictions_per_seq must be an int >= 0, got {P!r}")
 
-    applications = L * inner
+    T = S if last_layer_positions is None else last_layer_positions
+    T = _positive_int("last_layer_positions", T)  # rows as computed: may exceed S (repeats)
+
+    full = L * inner - 1  # applications over all S tokens; then the last one, at T rows
     return ForwardFlops(
-        layer_matmuls=2.0 * applications * S * (4 * H * H + 2 * H * F),
-        attention=2.0 * applications * 2 * S * S * H,
+        layer_matmuls=2.0 * (full * S * (4 * H * H + 2 * H * F) + S * 2 * H * H)
+        + 2.0 * T * (2 * H * H + 2 * H * F),
+        attention=2.0 * (full * S + T) * 2 * S * H,
         embedding_projection=2.0 * S * E * H if E != H else 0.0,
         mlm_head=2.0 * P * (H * E + E * V),
         pooler_sop=2.0 * (H * H + 2 * H),
     )
 
 
-def train_flops_per_sequence(config: Any, seq_len: int, max_predictions_per_seq: int) -> float:
+def train_flops_per_sequence(
+    config: Any,
+    seq_len: int,
+    max_predictions_per_seq: int,
+    last_layer_positions: int | None = None,
+) -> float:
     """Training FLOPs (forward + backward) of one sequence: 3 × forward."""
-    forward = forward_flops_per_sequence(config, seq_len, max_predictions_per_seq)
+    forward = forward_flops_per_sequence(
+        config, seq_len, max_predictions_per_seq, last_layer_positions
+    )
     return TRAIN_FORWARD_MULTIPLIER * forward.total
 
 
 def train_flops_per_step(
-    config: Any, batch_size: int, seq_len: int, max_predictions_per_seq: int
+    config: Any,
+    batch_size: int,
+    seq_len: int,
+    max_predictions_per_seq: int,
+    last_layer_positions: int | None = None,
 ) -> float:
-    """Model FLOPs of one training step over the global batch (all devices together)."""
+    """Model FLOPs of one training step over the global batch (all devices together).
+    `last_layer_positions` as in `forward_flops_per_sequence`."""
     _positive_int("batch_size", batch_size)
-    return batch_size * train_flops_per_sequence(config, seq_len, max_predictions_per_seq)
+    return batch_size * train_flops_per_sequence(
+        config, seq_len, max_predictions_per_seq, last_layer_positions
+    )
 
 
 # ----------------------------------------------------------------------------------------------

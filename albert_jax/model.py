@@ -251,8 +251,13 @@ class SelfAttention(nn.Module):
         mask: Array,
         layer_idx: Array | int | None,
         deterministic: bool,
+        query_positions: Array | None = None,
     ) -> Array:
-        """x [B,S,H], mask [B,1,1,S] bool (True = attend) -> [B,S,H]."""
+        """x [B,S,H], mask [B,1,1,S] bool (True = attend) -> [B,S,H].
+
+        With `query_positions` [B,Q] int, only those positions query (keys and values still
+        cover all S): -> [B,Q,H], the same rows as the full output gathered at them.
+        """
         cfg = self.config
         H, N, D = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
 
@@ -268,19 +273,32 @@ class SelfAttention(nn.Module):
         # sharding carries over unchanged.
         kernel = jnp.stack([w for w, _ in weights], axis=1)  # [H, 3, N, D]
         bias = jnp.stack([b for _, b in weights], axis=0)[:, None, :, None, :]  # [3, 1, N, 1, D]
+
         # Heads before positions ([B, N, S, D]): both attention matmuls are then plain batched
         # GEMMs over (B, N) without transposes (2x faster on CPU than [B, S, N, D]).
-        qkv = jnp.einsum("bsh,hcnd->cbnsd", x.astype(cfg.compute_dtype), kernel) + bias
+        def project(h: Array, which: slice) -> list[Array]:
+            """h [B,T,H] -> the [B,N,T,D] projections `which` of (query, key, value)."""
+            out = jnp.einsum("bsh,hcnd->cbnsd", h.astype(cfg.compute_dtype), kernel[:, which])
+            return list(out + bias[which])
+
+        if query_positions is None:
+            q, k, v = project(x, slice(0, 3))
+        else:
+            # Only some positions are read downstream: project just their queries, attend
+            # from them to every key, and carry only their rows (the residual included).
+            k, v = project(x, slice(1, 3))
+            x = gather_positions(x, query_positions)  # [B,Q,H]
+            (q,) = project(x, slice(0, 1))
         q, k, v = (
-            checkpoint_name(qkv[i], f"{name}_proj")
-            for i, name in enumerate(("query", "key", "value"))
+            checkpoint_name(t, f"{name}_proj")
+            for t, name in zip((q, k, v), ("query", "key", "value"), strict=True)
         )
         scores = jnp.einsum("bnqd,bnkd->bnqk", q, k) / jnp.sqrt(D).astype(q.dtype)
         scores = jnp.where(mask, scores, jnp.asarray(MASK_ADDER, scores.dtype))
         probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
         if not deterministic and cfg.attention_probs_dropout_prob > 0.0:
             probs = nn.Dropout(cfg.attention_probs_dropout_prob)(probs, deterministic=False)
-        context = jnp.einsum("bnqk,bnkd->bqnd", probs, v)  # [B, S, N, D]
+        context = jnp.einsum("bnqk,bnkd->bqnd", probs, v)  # [B, S (or Q), N, D]
         out = Dense((N, D), (H,), ("heads", "kv", "embed"), cfg, self.stack, name="output")
         out = checkpoint_name(out(context, layer_idx), "attention_out")
         out = nn.Dropout(cfg.hidden_dropout_prob)(out, deterministic=deterministic)
@@ -318,10 +336,16 @@ class AlbertLayer(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: Array, mask: Array, layer_idx: Array | int | None, deterministic: bool
+        self,
+        x: Array,
+        mask: Array,
+        layer_idx: Array | int | None,
+        deterministic: bool,
+        query_positions: Array | None = None,
     ) -> Array:
+        """x [B,S,H] -> [B,S,H] (or [B,Q,H] at `query_positions` [B,Q], see SelfAttention)."""
         x = SelfAttention(self.config, self.attention_stack, name="attention")(
-            x, mask, layer_idx, deterministic
+            x, mask, layer_idx, deterministic, query_positions
         )
         return FeedForward(self.config, self.ffn_stack, name="ffn")(x, layer_idx, deterministic)
 
@@ -329,23 +353,38 @@ class AlbertLayer(nn.Module):
 class AlbertGroup(nn.Module):
     """What one layer application runs: the group's `inner_group_num` blocks in order.
 
-    Written as a scan body: (carry x, mask, layer_idx) -> (x, None).
+    `__call__` is the scan body: (carry x, mask, layer_idx) -> (x, None). `blocks` is the same
+    computation as a plain method, which `nn.scan` leaves untransformed: the encoder calls it
+    on the scanned instance (same parameters) for a last application that is read only at some
+    positions.
     """
 
     config: ModelConfig
     deterministic: bool = True
 
-    @nn.compact
     def __call__(self, x: Array, mask: Array, layer_idx: Array | int) -> tuple[Array, None]:
+        return self.blocks(x, mask, layer_idx), None
+
+    @nn.compact
+    def blocks(
+        self,
+        x: Array,
+        mask: Array,
+        layer_idx: Array | int,
+        query_positions: Array | None = None,
+    ) -> Array:
+        """x [B,S,H] -> [B,S,H]; with `query_positions` [B,Q], the last block runs only at
+        those positions -> [B,Q,H] (the blocks before it feed its keys, so they run at all S)."""
         cfg = self.config
         unshared = cfg.layers_per_group
         attention_stack = None if cfg.sharing in ("all", "attention") else unshared
         ffn_stack = None if cfg.sharing in ("all", "ffn") else unshared
+        last = cfg.inner_group_num - 1
         for i in range(cfg.inner_group_num):
             x = AlbertLayer(cfg, attention_stack, ffn_stack, name=f"inner_group_{i}")(
-                x, mask, layer_idx, self.deterministic
+                x, mask, layer_idx, self.deterministic, query_positions if i == last else None
             )
-        return x, None
+        return x
 
 
 def remat_policy(name: str) -> Callable[..., bool] | None:
@@ -370,13 +409,25 @@ class SharedEncoder(nn.Module):
     count nor the compiled program grows with depth. Unshared sub-blocks (sharing != "all")
     keep a leading layer axis that the scan's layer index selects. `scan_layers=False` unrolls the
     same computation in Python (same parameter tree) for verification.
+
+    `query_positions` [B,Q] int: only these rows of the output are wanted (pretraining reads
+    [CLS] and the masked positions). The last layer application then runs at them only,
+    attending to every key: the same rows as the full output, for (1 - Q/S) of one layer's
+    FLOPs less.
     """
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: Array, input_mask: Array, deterministic: bool) -> Array:
-        """x [B,S,E], input_mask [B,S] (1 real, 0 pad) -> [B,S,H]."""
+    def __call__(
+        self,
+        x: Array,
+        input_mask: Array,
+        deterministic: bool,
+        query_positions: Array | None = None,
+    ) -> Array:
+        """x [B,S,E], input_mask [B,S] (1 real, 0 pad) -> [B,S,H] (or [B,Q,H] at
+        `query_positions`)."""
         cfg = self.config
         if cfg.has_embedding_projection:
             project = Dense(
@@ -399,20 +450,27 @@ class SharedEncoder(nn.Module):
             )
         layers = cfg.layers_per_group
         for g in range(cfg.num_hidden_groups):
+            # The very last application is split off when only some rows are wanted.
+            split_last = query_positions is not None and g == cfg.num_hidden_groups - 1
+            full = layers - 1 if split_last else layers  # applications over all S positions
             if cfg.scan_layers:
                 scanned = nn.scan(
                     group_cls,
                     variable_broadcast="params",
                     split_rngs={"params": False, "dropout": True},
                     in_axes=(nn.broadcast, 0),
-                    length=layers,
+                    length=full,
                 )
                 group = scanned(cfg, deterministic, name=f"group_{g}")
-                x, _ = group(x, mask, jnp.arange(layers, dtype=jnp.int32))
+                if full:
+                    x, _ = group(x, mask, jnp.arange(full, dtype=jnp.int32))
             else:
                 group = group_cls(cfg, deterministic, name=f"group_{g}")
-                for layer_idx in range(layers):
+                for layer_idx in range(full):
                     x, _ = group(x, mask, layer_idx)
+            if split_last:
+                # `blocks` is not scanned (nor rematerialized): one application, same weights.
+                x = group.blocks(x, mask, layers - 1, query_positions)
         return x
 
 
@@ -433,16 +491,28 @@ class AlbertModel(nn.Module):
         segment_ids: Array | None = None,
         input_mask: Array | None = None,
         deterministic: bool = True,
+        output_positions: Array | None = None,
     ) -> dict[str, Array]:
-        """input_ids [B,S] -> {"sequence_output" [B,S,H], "pooled_output" [B,H]}."""
+        """input_ids [B,S] -> {"sequence_output" [B,S,H], "pooled_output" [B,H]}.
+
+        With `output_positions` [B,Q] int, the last layer runs only at [CLS] (for the pooler)
+        and these positions, and "gathered_output" [B,Q,H] (the rows of the full
+        sequence_output at output_positions) replaces "sequence_output".
+        """
         if segment_ids is None:
             segment_ids = jnp.zeros_like(input_ids)
         if input_mask is None:
             input_mask = jnp.ones_like(input_ids)
         x = self.embeddings(input_ids, segment_ids, deterministic)
-        sequence_output = self.encoder(x, input_mask, deterministic)
-        pooled_output = jnp.tanh(self.pooler(sequence_output[:, 0]))
-        return {"sequence_output": sequence_output, "pooled_output": pooled_output}
+        if output_positions is None:
+            sequence_output = self.encoder(x, input_mask, deterministic)
+            cls, outputs = sequence_output[:, 0], {"sequence_output": sequence_output}
+        else:
+            positions = output_positions.astype(jnp.int32)
+            cls_first = jnp.concatenate([jnp.zeros_like(positions[:, :1]), positions], axis=1)
+            rows = self.encoder(x, input_mask, deterministic, cls_first)  # [B,1+Q,H]
+            cls, outputs = rows[:, 0], {"gathered_output": rows[:, 1:]}
+        return {**outputs, "pooled_output": jnp.tanh(self.pooler(cls))}
 
 
 class MaskedLMHead(nn.Module):
@@ -494,6 +564,10 @@ class AlbertForPreTraining(nn.Module):
     deterministic=True)` returns {"mlm_logits" [B,P,V], "sop_logits" [B,2],
     "sequence_output" [B,S,H], "pooled_output" [B,H]}. Without `masked_lm_positions`, MLM logits
     are computed at every position ([B,S,V]), e.g. for fill-mask.
+
+    `return_sequence_output=False` (the pretraining step's setting) drops "sequence_output":
+    the heads read only [CLS] and the P masked positions, so the last layer runs at those
+    1 + P rows only (same logits; at S=512, P=20 it skips ~96% of one layer's work).
     """
 
     config: ModelConfig
@@ -510,11 +584,22 @@ class AlbertForPreTraining(nn.Module):
         input_mask: Array | None = None,
         masked_lm_positions: Array | None = None,
         deterministic: bool = True,
+        return_sequence_output: bool = True,
     ) -> dict[str, Array]:
-        out = self.albert(input_ids, segment_ids, input_mask, deterministic)
-        seq = out["sequence_output"]
-        # Gather first: the head then runs on P (=20) positions instead of S (=512).
-        masked = seq if masked_lm_positions is None else gather_positions(seq, masked_lm_positions)
+        if not return_sequence_output:
+            if masked_lm_positions is None:
+                raise ValueError("return_sequence_output=False needs masked_lm_positions")
+            out = self.albert(
+                input_ids, segment_ids, input_mask, deterministic, masked_lm_positions
+            )
+            masked = out.pop("gathered_output")
+        else:
+            out = self.albert(input_ids, segment_ids, input_mask, deterministic)
+            seq = out["sequence_output"]
+            # Gather first: the head then runs on P (=20) positions instead of S (=512).
+            masked = (
+                seq if masked_lm_positions is None else gather_positions(seq, masked_lm_positions)
+            )
         return {
             **out,
             "mlm_logits": self.predictions(masked, self.albert.embeddings),

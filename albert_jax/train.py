@@ -246,7 +246,12 @@ class _Trainer:
 
         # --- throughput bookkeeping
         self.flops_per_step = flops.train_flops_per_step(
-            model_config, config.batch_size, config.seq_len, config.max_predictions_per_seq
+            model_config,
+            config.batch_size,
+            config.seq_len,
+            config.max_predictions_per_seq,
+            # the step runs the last layer only at [CLS] and the masked positions
+            last_layer_positions=1 + config.max_predictions_per_seq,
         )
         self.peak, self.chips = _peak_flops(model_config, mesh)
         self._interval: tuple[int, float] | None = None  # (step, time) where it started

@@ -157,7 +157,11 @@ def make_train_step(
 
     def loss_fn(params: PyTree, batch: dict[str, jax.Array], rng: jax.Array | None):
         outputs = model.apply(
-            {"params": params}, *_model_inputs(batch), deterministic=False, rngs={"dropout": rng}
+            {"params": params},
+            *_model_inputs(batch),
+            deterministic=False,
+            return_sequence_output=False,  # last layer only where the heads read
+            rngs={"dropout": rng},
         )
         return losses.pretraining_loss(outputs, batch, sentence_order=sentence_order)
 
@@ -198,7 +202,9 @@ def make_eval_step(config: Any, model: AlbertForPreTraining) -> Callable:
     sentence_order = config.objective != "none"
 
     def eval_step(params: PyTree, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        outputs = model.apply({"params": params}, *_model_inputs(batch), deterministic=True)
+        outputs = model.apply(
+            {"params": params}, *_model_inputs(batch), return_sequence_output=False
+        )
         weights = batch["masked_lm_weights"].astype(jnp.float32)  # [B, P]
         mlm_nll = -_label_log_probs(outputs["mlm_logits"], batch["masked_lm_ids"])
         mlm_hit = jnp.argmax(outputs["mlm_logits"], axis=-1) == batch["masked_lm_ids"]

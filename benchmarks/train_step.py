@@ -9,7 +9,8 @@ take turns, one step each, for `--steps` rounds, and the median step time of eac
 interleaving spreads the drift of a shared machine over all of them, so same-run ratios hold.
 
 - ours: `albert_jax.train.make_train_step` (the step `train_and_evaluate` runs) on one device,
-  with the optimizer switched to AdamW; the MLM head runs on the gathered masked positions only.
+  with the optimizer switched to AdamW; the MLM head runs on the gathered masked positions only,
+  and the last layer on the 1 + P rows the heads read ([CLS] and the masked positions).
   Measured twice: the default config (`nn.scan` over the layers, `remat_policy="dots"`) and
   `ours_unrolled` (`model.scan_layers=False`).
 - hf_flax: transformers 4.x `FlaxAlbertForPreTraining` (computes MLM logits at every position;
@@ -19,7 +20,9 @@ interleaving spreads the drift of a shared machine over all of them, so same-run
 
 MFU counts model FLOPs honestly (`albert_jax.flops`, PERF_ANCHORS.md §4): every layer
 application, attention, the E→H projection, the MLM head on the predicted positions only, the
-pooler and SOP classifier, training = 3 × forward. The same model FLOPs are credited to every
+pooler and SOP classifier, training = 3 × forward; the last layer counts its keys and values at
+all S tokens and the rest at the 1 + P rows the loss reads, which is what the task needs (and
+what ours computes). The same model FLOPs are credited to every
 contender, so MFU ratios equal throughput ratios. The peak is the float32 matmul FLOP/s that
 `jax.jit(jnp.matmul)` reaches in this process (`--peak_size`), measured before and after the
 contenders (best of both), since a CPU has no trustworthy spec-sheet figure. When torch is
@@ -283,7 +286,9 @@ def main() -> None:
 
     model_config = ModelConfig.preset(args.size)
     batch = make_batch(args.batch, args.seq, args.preds, model_config.vocab_size)
-    step_flops = flops.train_flops_per_step(model_config, args.batch, args.seq, args.preds)
+    step_flops = flops.train_flops_per_step(
+        model_config, args.batch, args.seq, args.preds, last_layer_positions=1 + args.preds
+    )
     peaks = [flops.measure_cpu_matmul_peak.__wrapped__(args.peak_size, 5)]
     torch_peak_before = None if args.no_hf else torch_matmul_peak(args.peak_size, 5)
 

@@ -64,6 +64,27 @@ def test_projection_only_when_factorized_and_batch_scales():
     assert step == 4096 * flops.train_flops_per_sequence(shape, 512, 20)
 
 
+def test_last_layer_at_read_rows_only_drops_its_unread_rows():
+    """The pretraining step runs the last layer at [CLS] + P rows: keys and values still cover
+    all S tokens; queries, O, FFN and attention shrink to T rows."""
+    shape = flops.REFERENCE_SHAPES["albert-base"]
+    S, P, H, F = 128, 20, shape.hidden_size, shape.intermediate_size
+    full = flops.forward_flops_per_sequence(shape, S, P)
+    assert flops.forward_flops_per_sequence(shape, S, P, last_layer_positions=S) == full
+    last = flops.forward_flops_per_sequence(shape, S, P, last_layer_positions=1 + P)
+    unread = S - (1 + P)
+    # per unread row: Q and O projections, the two FFN matmuls, its scores and context
+    saved = 2 * unread * (2 * H * H + 2 * H * F) + 2 * unread * 2 * S * H
+    assert full.total - last.total == pytest.approx(saved, rel=1e-12)
+    assert last.mlm_head == full.mlm_head and last.embedding_projection == full.embedding_projection
+    # about 1/12 of the encoder, less the K/V projections that every row still needs
+    assert 0.05 < saved / full.total < 1 / 12
+    assert flops.train_flops_per_step(shape, 8, S, P, 1 + P) == 8 * 3 * last.total
+    for bad in (0, -1, True):
+        with pytest.raises(ValueError, match="last_layer_positions"):
+            flops.forward_flops_per_sequence(shape, S, P, last_layer_positions=bad)
+
+
 def test_bad_config_and_sizes_are_named():
     config = types.SimpleNamespace(vocab_size=10, embedding_size=4, hidden_size=8)
     with pytest.raises(ValueError, match="num_hidden_layers"):

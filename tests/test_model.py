@@ -180,6 +180,46 @@ def test_scan_equals_python_loop(overrides):
         np.testing.assert_allclose(scanned[key], looped[key], atol=2e-5, err_msg=key)
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(sharing="all"),
+        dict(sharing="none"),
+        dict(sharing="ffn", scan_layers=False),
+        dict(sharing="attention", num_hidden_groups=2, inner_group_num=2),
+        dict(sharing="all", num_hidden_groups=4),  # one layer per group: no scan left to run
+    ],
+)
+def test_last_layer_at_read_rows_only_gives_the_same_heads_and_gradients(overrides):
+    """return_sequence_output=False (the pretraining step) runs the last layer at [CLS] and
+    the masked positions only: same logits, same gradients as the full last layer."""
+    cfg = tiny(**overrides)
+    params = init(cfg)
+    batch = make_batch(cfg)
+    model = AlbertForPreTraining(cfg)
+
+    def heads(p, full: bool):
+        out = model.apply(p, **batch, return_sequence_output=full)
+        assert ("sequence_output" in out) == full
+        return out["mlm_logits"], out["sop_logits"]
+
+    for a, b in zip(heads(params, True), heads(params, False), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+
+    def loss(p, full: bool):
+        mlm, sop = heads(p, full)
+        return jnp.sum(mlm**2) * 1e-3 + jnp.sum(sop**2)
+
+    full_grads, read_grads = (jax.grad(loss)(params, f) for f in (True, False))
+    leaves = jax.tree_util.tree_leaves_with_path(full_grads)
+    assert len(leaves) == len(jax.tree_util.tree_leaves(read_grads))
+    for (path, a), b in zip(leaves, jax.tree_util.tree_leaves(read_grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(path))
+    with pytest.raises(ValueError, match="masked_lm_positions"):
+        inputs = {k: v for k, v in batch.items() if k != "masked_lm_positions"}
+        model.apply(params, **inputs, return_sequence_output=False)
+
+
 def test_sharing_strategies_have_the_right_parameter_layout():
     layers = TINY["num_hidden_layers"]
     for sharing, attn_stacked, ffn_stacked in [
