@@ -83,7 +83,12 @@ def ours(layers: int, batch: dict[str, jax.Array]) -> float:
 
     def apply_logits(p, b):
         out = model.apply(
-            p, b["input_ids"], b["segment_ids"], b["input_mask"], b["masked_lm_positions"]
+            p,
+            b["input_ids"],
+            b["segment_ids"],
+            b["input_mask"],
+            b["masked_lm_positions"],
+            return_sequence_output=False,  # as the training step: last block at read rows
         )
         return out["mlm_logits"], out["sop_logits"]
 

@@ -183,11 +183,12 @@ def test_scan_equals_python_loop(overrides):
 @pytest.mark.parametrize(
     "overrides",
     [
-        dict(sharing="all"),
+        dict(sharing="all", remat_policy="dots"),
         dict(sharing="none"),
         dict(sharing="ffn", scan_layers=False),
-        dict(sharing="attention", num_hidden_groups=2, inner_group_num=2),
+        dict(sharing="attention", num_hidden_groups=2, inner_group_num=2, remat_policy="full"),
         dict(sharing="all", num_hidden_groups=4),  # one layer per group: no scan left to run
+        dict(sharing="all", num_hidden_groups=4, scan_layers=False, remat_policy="dots"),
     ],
 )
 def test_last_layer_at_read_rows_only_gives_the_same_heads_and_gradients(overrides):
