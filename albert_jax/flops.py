@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -198,16 +199,23 @@ def measure_cpu_matmul_peak(size: int = 1024, repeats: int = 5) -> float:
     CPU MFU is measured against what a large GEMM actually achieves on the same machine.
     """
     _positive_int("size", size)
-    _positive_int("repeats", repeats)
     cpu = jax.devices("cpu")[0]
     keys = jax.random.split(jax.random.key(0))
     a, b = (jax.device_put(jax.random.normal(k, (size, size), jnp.float32), cpu) for k in keys)
     matmul = jax.jit(jnp.matmul)
-    matmul(a, b).block_until_ready()  # compile and warm the caches
+    return square_matmul_flops(lambda: matmul(a, b).block_until_ready(), size, repeats)
+
+
+def square_matmul_flops(matmul: Callable[[], Any], size: int, repeats: int) -> float:
+    """FLOP/s of `matmul()`, a blocking [size, size] x [size, size] product, best of `repeats`
+    after one untimed call (which compiles and warms the caches). Any library's matmul fits,
+    so peers are measured with the same protocol."""
+    _positive_int("repeats", repeats)
+    matmul()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        matmul(a, b).block_until_ready()
+        matmul()
         best = min(best, time.perf_counter() - start)
     return 2.0 * size**3 / best
 
