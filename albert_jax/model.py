@@ -17,6 +17,7 @@ of `albert_jax.sharding` (`vocab, embed, embed_factor, mlp, heads, kv, layers`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -136,11 +137,16 @@ class Dense(nn.Module):
         return kernel, _select_layer(bias, self.stack, layer_idx).astype(cfg.compute_dtype)
 
     def __call__(self, x: Array, layer_idx: Array | int | None = None) -> Array:
-        """x [..., *in_shape] -> [..., *out_shape]."""
+        """x [..., *in_shape] -> [..., *out_shape], as one [rows, K] . [K, N] matmul."""
         kernel, bias = self.weights(layer_idx)
-        n_in = len(self.in_shape)
-        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-        y = jax.lax.dot_general(x.astype(kernel.dtype), kernel, (contract, ((), ())))
+        lead = x.shape[: x.ndim - len(self.in_shape)]
+        k, n = math.prod(self.in_shape), math.prod(self.out_shape)
+        # Rows flattened first, so the gradient dW = x^T . dy contracts the row dim of two 2-D
+        # arrays as they lie in memory. With [B, S] contracted directly, XLA on CPU copies dy
+        # (or x) into a transposed [features, B·S] buffer for every layer's dW (seen in the
+        # compiled HLO), and the base train step was 6-11% slower.
+        y = x.astype(kernel.dtype).reshape(-1, k) @ kernel.reshape(k, n)
+        y = y.reshape(*lead, *self.out_shape)
         return y if bias is None else y + bias
 
 
