@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from albert_jax.config import ModelConfig
-from albert_jax.model import AlbertForPreTraining, AlbertModel, init_params
+from albert_jax.model import AlbertForPreTraining, AlbertModel, Dense, init_params
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
 
 TINY = dict(
@@ -129,6 +129,20 @@ def test_output_shapes_and_gathered_mlm_logits():
         np.asarray(full), np.asarray(batch["masked_lm_positions"])[..., None], axis=1
     )
     np.testing.assert_allclose(out["mlm_logits"], gathered, atol=1e-5)
+
+
+def test_dense_matches_dot_general_and_rejects_a_mismatched_input():
+    """`Dense` runs [rows, K] . [K, N]; the result is the plain contraction over in_shape."""
+    cfg = tiny()
+    dense = Dense((4, 8), (32,), ("heads", "kv", "embed"), cfg)
+    x = jax.random.normal(jax.random.key(1), (3, 5, 4, 8))
+    variables = dense.init(jax.random.key(0), x)
+    kernel = nn.unbox(variables)["params"]["kernel"]
+    expected = jnp.einsum("bsnd,ndh->bsh", x, kernel)
+    np.testing.assert_allclose(dense.apply(variables, x), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dense.apply(variables, x[0, 0]), expected[0, 0], atol=1e-5)
+    with pytest.raises(ValueError, match=r"does not end in \(4, 8\)"):
+        dense.apply(variables, x.reshape(3, 5, 32))
 
 
 def test_padding_does_not_leak_into_real_tokens():
