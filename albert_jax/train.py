@@ -62,6 +62,7 @@ from albert_jax.train_step import (
     make_eval_step,
     make_train_step,
     put_batch,
+    train_step_flops,
 )
 
 PyTree = Any
@@ -78,6 +79,7 @@ __all__ = [
     "model_config_from",
     "prepare_tokenizer",
     "train_and_evaluate",
+    "train_step_flops",
     "validate_config",
 ]
 
@@ -245,13 +247,8 @@ class _Trainer:
         )
 
         # --- throughput bookkeeping
-        self.flops_per_step = flops.train_flops_per_step(
-            model_config,
-            config.batch_size,
-            config.seq_len,
-            config.max_predictions_per_seq,
-            # the step runs the last layer only at [CLS] and the masked positions
-            last_layer_positions=1 + config.max_predictions_per_seq,
+        self.flops_per_step = train_step_flops(
+            model_config, config.batch_size, config.seq_len, config.max_predictions_per_seq
         )
         self.peak, self.chips = _peak_flops(model_config, mesh)
         self._interval: tuple[int, float] | None = None  # (step, time) where it started

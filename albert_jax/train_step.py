@@ -19,7 +19,7 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from albert_jax import losses, optim
+from albert_jax import flops, losses, optim
 from albert_jax.model import AlbertForPreTraining, init_params
 from albert_jax.sharding import LOGICAL_AXIS_RULES
 
@@ -144,6 +144,21 @@ def _model_inputs(batch: Mapping[str, jax.Array]) -> tuple[jax.Array, ...]:
         batch["segment_ids"],
         batch["input_mask"],
         batch["masked_lm_positions"],
+    )
+
+
+def train_step_flops(
+    model_config: Any, batch_size: int, seq_len: int, max_predictions_per_seq: int
+) -> float:
+    """Model FLOPs of one `make_train_step` step over the global batch. The step asks for
+    `return_sequence_output=False`, so the last layer runs at the 1 + P rows the heads read
+    ([CLS] and the masked positions) and is counted there (`albert_jax.flops`)."""
+    return flops.train_flops_per_step(
+        model_config,
+        batch_size,
+        seq_len,
+        max_predictions_per_seq,
+        last_layer_positions=1 + max_predictions_per_seq,
     )
 
 

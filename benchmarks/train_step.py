@@ -281,9 +281,7 @@ def main() -> None:
 
     model_config = ModelConfig.preset(args.size)
     batch = make_batch(args.batch, args.seq, args.preds, model_config.vocab_size)
-    step_flops = flops.train_flops_per_step(
-        model_config, args.batch, args.seq, args.preds, last_layer_positions=1 + args.preds
-    )
+    step_flops = train.train_step_flops(model_config, args.batch, args.seq, args.preds)
     peaks = [flops.measure_cpu_matmul_peak.__wrapped__(args.peak_size, 5)]
     torch_peak_before = None if args.no_hf else torch_matmul_peak(args.peak_size, 5)
 
