@@ -80,21 +80,11 @@ class Run:
 
 
 class Job:
-    """`python -m albert_jax.main` as `processes` processes of `devices` CPU devices each,
-    started at once; `wait()` collects them. Their output goes to files (no pipe to fill)."""
+    """`args` (a `python -m albert_jax.main` command line) as `processes` processes, started at
+    once under one `jax.distributed` coordinator; `wait()` collects them. Their output goes to
+    files (no pipe to fill)."""
 
-    def __init__(self, workdir, overrides, log_dir, *, processes, devices, jax_cache=None):
-        args, env = main_command(
-            workdir,
-            overrides,
-            devices,
-            "--xla_backend_optimization_level=0",
-            JAX_NUM_CPU_DEVICES=str(devices),
-            TF_CPP_MIN_LOG_LEVEL="2",
-        )
-        if jax_cache:
-            env["JAX_COMPILATION_CACHE_DIR"] = jax_cache
-            env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    def __init__(self, workdir, args, env, log_dir, *, processes):
         coordinator = f"127.0.0.1:{free_port()}"
         self.workdir = str(workdir)
         name = os.path.basename(self.workdir)
@@ -150,6 +140,23 @@ class Job:
         return Run(self.workdir, [p.returncode for p in self.procs], logs)
 
 
+def pretrain_job(workdir, overrides, log_dir, *, processes, devices, jax_cache=None) -> Job:
+    """The tiny pretraining config with `overrides` as a `Job` of `devices` CPU devices per
+    process, at XLA's lowest backend optimization level (see the module docstring)."""
+    args, env = main_command(
+        workdir,
+        overrides,
+        devices,
+        "--xla_backend_optimization_level=0",
+        JAX_NUM_CPU_DEVICES=str(devices),
+        TF_CPP_MIN_LOG_LEVEL="2",
+    )
+    if jax_cache:
+        env["JAX_COMPILATION_CACHE_DIR"] = jax_cache
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    return Job(workdir, args, env, log_dir, processes=processes)
+
+
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory):
     """Three jobs on the same config, one after the other: 2 processes × 4 devices (`dist`),
@@ -169,11 +176,11 @@ def runs(corpus, tmp_path_factory):
     out = {"base": base}
     jobs: list[Job] = []
     try:
-        jobs.append(Job(root / "dist", base, root, processes=2, devices=4))
+        jobs.append(pretrain_job(root / "dist", base, root, processes=2, devices=4))
         out["dist"] = jobs[-1].wait()
         single_overrides = {**base, "data.num_shards": 2}
-        jobs.append(Job(root / "single", single_overrides, root, processes=1, devices=8,
-                        jax_cache=jax_cache))  # fmt: skip
+        jobs.append(pretrain_job(root / "single", single_overrides, root, processes=1, devices=8,
+                                 jax_cache=jax_cache))  # fmt: skip
         out["single"] = jobs[-1].wait()
         # The 2-process checkpoint of step 3 alone (the job's latest is the final step 5).
         source = root / "dist_step3"
@@ -184,8 +191,8 @@ def runs(corpus, tmp_path_factory):
             )
         # No data.num_shards: the run takes the checkpoint's 2 shards, both read by one process.
         resumed_overrides = {**base, "resume_from": source}
-        jobs.append(Job(root / "resumed", resumed_overrides, root, processes=1, devices=8,
-                        jax_cache=jax_cache))  # fmt: skip
+        jobs.append(pretrain_job(root / "resumed", resumed_overrides, root, processes=1,
+                                 devices=8, jax_cache=jax_cache))  # fmt: skip
         out["resumed"] = jobs[-1].wait()
     finally:
         for job in jobs:
