@@ -5,17 +5,22 @@ on, params sharded over a (data 2, fsdp 2, tensor 2) mesh, checkpoints every 4 s
 
 Every process reads the whole global batch and puts only its own rows on its devices
 (`finetune._put`); predictions come back to every process from both (`finetune._fetch`), and only
-process 0 writes metrics, predictions and results. So the two layouts must agree step by step
-(to fp32 rounding: the collectives now cross processes), predict the same labels, and the
-checkpoint the two processes write together must hold the same parameters.
+process 0 writes metrics, predictions and results. The 2-process run is preempted on the way:
+both processes get SIGTERM after step 6, JAX's preemption service makes them agree on a step
+to save, and a second 2-process job resumes from it. The result must still match the
+1-process run step by step (to fp32 rounding: the collectives now cross processes), predict
+the same labels, and the checkpoint the two processes write together must hold the same
+parameters.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
+import jax
 import numpy as np
 import pytest
 from test_distributed import Job
@@ -25,6 +30,7 @@ from albert_jax import checkpointing, finetune, metrics_writer
 from configs.finetune import get_config
 
 STEPS = 12
+SIGTERM_AFTER = 6
 TASK = "sentiment_rt"
 
 
@@ -62,19 +68,31 @@ def finetune_command(workdir, fields: dict[str, object], devices: int):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, shared_data):
-    """The config run in this process on 8 devices, and as 2 processes × 4 devices."""
+    """The config run in this process on 8 devices, and as 2 processes × 4 devices twice in one
+    workdir: the first job is preempted (every process gets SIGTERM after step 6, as on a pod
+    maintenance event), the second resumes it and finishes."""
     fields = overrides(tiny_tokenizer_path(tmp_path_factory, shared_data), shared_data)
     root = tmp_path_factory.mktemp("distributed_finetune")
     config = get_config(f"task={TASK}")
     _override(config, fields)
     finetune.finetune_and_evaluate(config, str(root / "single"))
-    args, env = finetune_command(root / "dist", fields, 4)
-    job = Job(root / "dist", args, env, root, processes=2)
-    try:
-        dist = job.wait()
-    finally:
-        job.kill()
-    return {"single": str(root / "single"), "dist": dist}
+    out = {"single": str(root / "single")}
+    for name, extra in (("preempted", {"debug.sigterm_after_step": SIGTERM_AFTER}), ("dist", {})):
+        args, env = finetune_command(root / "dist", {**fields, **extra}, 4)
+        logs = root / f"logs_{name}"  # the two jobs share the workdir and so the log names
+        os.makedirs(logs)
+        job = Job(root / "dist", args, env, logs, processes=2)
+        try:
+            out[name] = job.wait()
+        finally:
+            job.kill()
+        if name == "preempted":
+            with checkpointing.Checkpointer(str(root / "dist"), read_only=True) as ckpt:
+                out["preempted_steps"] = ckpt.all_steps()
+            out["preempted_results"] = os.path.exists(
+                os.path.join(root / "dist", finetune.EVAL_RESULTS_FILE)
+            )
+    return out
 
 
 def _losses(workdir: str) -> dict[int, float]:
@@ -110,11 +128,29 @@ def test_two_processes_train_and_predict_as_one(runs):
         checkpointing.Checkpointer(dist.workdir, read_only=True) as a,
         checkpointing.Checkpointer(single, read_only=True) as b,
     ):
-        assert a.all_steps() == b.all_steps()
+        # The same periodic saves (the preemption added one); all kept (keep_checkpoints 5).
+        assert set(b.all_steps()) < set(a.all_steps()) and a.latest_step() == STEPS
         params, params_single = a.restore_numpy(STEPS), b.restore_numpy(STEPS)
-    for (path, x), (path_single, y) in zip(_leaves(params), _leaves(params_single), strict=True):
-        assert path == path_single
-        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6, err_msg=path)
+    leaves, leaves_single = (jax.tree.leaves_with_path(p) for p in (params, params_single))
+    assert [p for p, _ in leaves] == [p for p, _ in leaves_single]
+    for (path, x), (_, y) in zip(leaves, leaves_single, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.timeout(600)
+def test_preempted_processes_agree_on_a_step_save_it_and_exit(runs):
+    preempted = runs["preempted"]
+    preempted.check()  # both exited normally, after the save
+    # JAX's preemption service took the signal in both processes; they agreed on a step every
+    # process could still reach, saved it together, and stopped there.
+    saved = [re.search(r"preempted: checkpoint of step (\d+) saved, exiting", log) for log in
+             preempted.logs]  # fmt: skip
+    assert all(saved), "a process did not report the preemption save"
+    step = int(saved[0][1])
+    assert int(saved[1][1]) == step and SIGTERM_AFTER <= step < STEPS
+    assert runs["preempted_steps"][-1] == step
+    assert not runs["preempted_results"]  # no evaluation yet
+    assert f"resumed fine-tuning at step {step}" in runs["dist"].logs[0]
 
 
 @pytest.mark.timeout(600)
@@ -125,17 +161,7 @@ def test_only_process_zero_writes(runs):
     records = metrics_writer.read_metrics(dist.workdir)
     assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
     events = os.listdir(os.path.join(dist.workdir, metrics_writer.TENSORBOARD_DIR))
-    assert len([f for f in events if f.startswith("events.out.tfevents")]) == 1, events
+    # One event file per job (the preempted one and its restart), each its process 0's.
+    assert len([f for f in events if f.startswith("events.out.tfevents")]) == 2, events
     results = json.loads(_read(dist.workdir, finetune.EVAL_RESULTS_FILE))
     assert results["prediction_files"] == [os.path.join(dist.workdir, "predictions.jsonl")]
-
-
-def _leaves(tree, prefix: str = "") -> list[tuple[str, np.ndarray]]:
-    """(path, array) of a nested dict of numpy arrays, sorted by path."""
-    out = []
-    for key, value in sorted(tree.items()):
-        if isinstance(value, dict):
-            out.extend(_leaves(value, f"{prefix}{key}/"))
-        else:
-            out.append((prefix + key, np.asarray(value)))
-    return out
