@@ -29,6 +29,7 @@ import dataclasses
 import os
 import signal
 import threading
+import time
 from collections.abc import Mapping
 from types import FrameType
 from typing import Any
@@ -300,6 +301,24 @@ def plan_resume(
 
 
 # ---------------------------------------------------------------------------------- SIGTERM
+# JAX's preemption service polls for SIGTERM once a second; this wait covers that poll and the
+# notice's trip through the coordination service.
+NOTICE_PROPAGATION_S = 3.0
+
+
+def send_preemption_notice() -> None:
+    """Debugging hook (`debug.sigterm_after_step`): SIGTERM to this process, as a scheduler
+    sends before a preemption.
+
+    With several processes, waits `NOTICE_PROPAGATION_S` for JAX's preemption service to pass
+    the notice on, so that the processes agree on the step they are at: the save step is then
+    `sigterm_after_step` itself, not whichever later step the notice happened to reach.
+    """
+    os.kill(os.getpid(), signal.SIGTERM)
+    if jax.process_count() > 1:
+        time.sleep(NOTICE_PROPAGATION_S)
+
+
 class PreemptionSignal:
     """Turns SIGTERM into a flag that the training loop polls at step boundaries.
 

@@ -15,9 +15,10 @@ Resume: a workdir that already holds a checkpoint of this run resumes from its l
 features, seed, s) and dropout keys are `fold_in(key, s)`, so the resumed run computes
 bit for bit what an uninterrupted one would; the checkpoint's data state (seed, batch size,
 schedule and a fingerprint of the training features) must match, or the resume is refused.
-SIGTERM (single process; TPU preemption notices through Orbax with several processes) saves
-a checkpoint at the next step boundary and returns `{"preempted": True, ...}` without
-evaluating; `checkpoint_every_steps` adds periodic saves for crashes without a notice.
+SIGTERM (caught by the loop in a single process; with several processes, JAX's preemption
+service makes them agree on a step, which Orbax reports) saves a checkpoint at a step boundary
+and returns `{"preempted": True, ...}` without evaluating (a notice during the last step just
+lets the run finish); `checkpoint_every_steps` adds periodic saves for crashes without a notice.
 
 Files written (process 0):
   eval_results.json        metrics (+ counts, featurization statistics, init report)
@@ -39,7 +40,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -811,7 +811,7 @@ def _run(tuner: _FineTuner) -> dict[str, Any]:
                     _check_finite(*previous)
                 previous = (step, metrics["loss"])
                 if step == sigterm_after:  # debugging hook: a preemption notice after this step
-                    os.kill(os.getpid(), signal.SIGTERM)
+                    checkpointing.send_preemption_notice()
                 preempted = signal_flag is not None and signal_flag.requested
                 log_now = step % config.log_every_steps == 0 or step == total
                 eval_now = bool(config.eval_every_steps) and step % config.eval_every_steps == 0

@@ -101,7 +101,9 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     """Pretrains ALBERT as `config` says; writes checkpoints, metrics and the tokenizer to
     `workdir`. Returns the metrics of the last logged step (plus `eval_*` of the last
     evaluation) and `preempted` (True when SIGTERM / a preemption notice stopped the run after
-    saving; the caller should exit 0 so that a restart resumes).
+    saving; the caller should exit 0 so that a restart resumes). A notice that arrives during
+    the last step does not stop anything: that step's save is the final one, and the run ends
+    normally (`preempted` False).
 
     Raises:
       ValueError: a bad config (before anything is compiled).
@@ -329,7 +331,7 @@ class _Trainer:
                 if self._eval_due(step):
                     pending.eval = self._evaluate()
                 if step == sigterm_after:
-                    os.kill(os.getpid(), signal.SIGTERM)
+                    checkpointing.send_preemption_notice()
                 preempted = signal_flag is not None and signal_flag.requested
                 if preempted or step == total or self.checkpointer.should_save(step):
                     self._finish(pending)  # never checkpoint a state not checked finite
@@ -340,8 +342,10 @@ class _Trainer:
                 if not single_process and self.checkpointer.reached_preemption(step):
                     preempted = True
                 if preempted:
-                    logging.warning("preempted: checkpoint of step %d saved, exiting", step)
-                    break
+                    if step < total:
+                        logging.warning("preempted: checkpoint of step %d saved, exiting", step)
+                        break
+                    preempted = False  # the last step: its save is the final one; finish normally
             if pending is not None:
                 self._finish(pending)
         self.checkpointer.wait()

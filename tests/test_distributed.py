@@ -7,7 +7,9 @@ shards either way), so the per-step losses and the eval metrics agree to fp32 ro
 runs the same number of steps on every process although process 1's validation shard is empty
 (padding rows with weight 0); only process 0 writes metrics; and the Orbax checkpoint written
 by the two processes (FSDP shards spread over both) restores in one process, exactly, and
-training goes on from it on the same batches.
+training goes on from it on the same batches. The 2-process run is preempted on the way: both
+processes get SIGTERM after step 2, agree on that step through JAX's preemption service, save
+it and exit; a second 2-process job resumes it.
 
 The tiny model and corpus are those of test_train.py (Austen as a TFDS dataset, a 1000-piece
 tokenizer). XLA's CPU backend is asked for unoptimized code (`--xla_backend_optimization_level=0`)
@@ -47,6 +49,7 @@ from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, RESUME_STEP = 5, 3  # checkpoints at 3 and 5; the 1-process resume runs steps 4 and 5
+SIGTERM_AFTER = 2  # the 2-process run is preempted after this step, and restarted
 MESH = {"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2}  # fsdp spans both processes
 EVAL_KEYS = (
     "eval_loss", "eval_mlm_loss", "eval_sop_loss", "eval_mlm_accuracy", "eval_sop_accuracy",
@@ -159,10 +162,11 @@ def pretrain_job(workdir, overrides, log_dir, *, processes, devices, jax_cache=N
 
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory):
-    """Three jobs on the same config, one after the other: 2 processes × 4 devices (`dist`),
-    1 process × 8 devices with the same 2 data shards (`single`), and 1 process × 8 devices
-    resuming from the 2-process checkpoint of step 3 (`resumed`; another workdir,
-    `config.resume_from`). Run side by side, they only slowed each other down on 2 cores."""
+    """Jobs on the same config, one after the other: 2 processes × 4 devices (`dist`,
+    preempted after step 2 and restarted: two jobs in one workdir), 1 process × 8 devices with
+    the same 2 data shards (`single`), and 1 process × 8 devices resuming from the 2-process
+    checkpoint of step 3 (`resumed`; another workdir, `config.resume_from`). Run side by side,
+    they only slowed each other down on 2 cores."""
     root = tmp_path_factory.mktemp("distributed")
     base = small_overrides(
         corpus,
@@ -176,6 +180,14 @@ def runs(corpus, tmp_path_factory):
     out = {"base": base}
     jobs: list[Job] = []
     try:
+        preempted_logs = root / "preempted"  # the restart writes logs of the same names
+        os.makedirs(preempted_logs)
+        preempted = {**base, "debug.sigterm_after_step": SIGTERM_AFTER}
+        jobs.append(pretrain_job(root / "dist", preempted, preempted_logs, processes=2, devices=4))
+        out["preempted"] = jobs[-1].wait()
+        if os.path.isdir(checkpointing.checkpoint_dir(str(root / "dist"))):
+            with checkpointing.Checkpointer(str(root / "dist"), read_only=True) as ckpt:
+                out["preempted_steps"] = ckpt.all_steps()
         jobs.append(pretrain_job(root / "dist", base, root, processes=2, devices=4))
         out["dist"] = jobs[-1].wait()
         single_overrides = {**base, "data.num_shards": 2}
@@ -229,6 +241,19 @@ def test_two_processes_equal_one_process_step_by_step(runs):
 
 
 @pytest.mark.timeout(900)
+def test_preempted_processes_agree_on_a_step_save_it_and_exit(runs):
+    preempted = runs["preempted"]
+    preempted.check()  # both exited normally, after the save
+    # Both processes got SIGTERM after step 2 and waited for JAX's preemption service to pass
+    # the notice on (`checkpointing.send_preemption_notice`): they agreed on step 2, saved it
+    # together (not a periodic step) and stopped there.
+    for log in preempted.logs:
+        assert f"preempted: checkpoint of step {SIGTERM_AFTER} saved, exiting" in log
+    assert runs["preempted_steps"] == [SIGTERM_AFTER]
+    assert f"resumed at step {SIGTERM_AFTER}" in runs["dist"].logs[0]
+
+
+@pytest.mark.timeout(900)
 def test_only_process_zero_writes_metrics(runs):
     dist = runs["dist"]
     dist.check()
@@ -237,7 +262,8 @@ def test_only_process_zero_writes_metrics(runs):
     records = metrics_writer.read_metrics(dist.workdir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     events = os.listdir(os.path.join(dist.workdir, metrics_writer.TENSORBOARD_DIR))
-    assert len([f for f in events if f.startswith("events.out.tfevents")]) == 1, events
+    # One event file per job (the preempted one and its restart), each its process 0's.
+    assert len([f for f in events if f.startswith("events.out.tfevents")]) == 2, events
     assert os.path.isfile(os.path.join(dist.workdir, metrics_writer.LEARNING_CURVE_FILE))
     assert f"step {STEPS}/{STEPS} | loss" in dist.logs[0]
     assert "| loss" not in dist.logs[1]

@@ -139,7 +139,8 @@ def assert_trees_equal(a, b):
 def interrupted_runs(corpus, tmp_path_factory):
     """An uninterrupted 8-step run, and the same run SIGTERMed after step 3, restarted, SIGKILLed
     right after starting the async save of step 6, and restarted again; plus a run in another
-    workdir started from the SIGTERM checkpoint through config.resume_from."""
+    workdir started from the SIGTERM checkpoint through config.resume_from (and SIGTERMed during
+    its last step)."""
     root = tmp_path_factory.mktemp("runs")
     straight, chain = str(root / "straight"), str(root / "chain")
     base = small_overrides(corpus)
@@ -150,7 +151,9 @@ def interrupted_runs(corpus, tmp_path_factory):
     out["after_sigterm_losses"] = losses_by_step(chain)
     # A new workdir that starts from the chain's step 3 (config.resume_from: full state).
     out["other"] = other = str(root / "other")
-    out["resume_from_proc"] = run_main(other, {**base, "resume_from": chain}, corpus)
+    # SIGTERM again, during its last step: that step's save is the final one anyway.
+    resume_from = {**base, "resume_from": chain, "debug.sigterm_after_step": 8}
+    out["resume_from_proc"] = run_main(other, resume_from, corpus)
     killed = {**base, "checkpoint_every_steps": 2, "debug.sigkill_after_save_at_step": 6}
     out["sigkill_proc"] = run_main(chain, killed, corpus)
     out["after_sigkill_dirs"] = sorted(os.listdir(checkpointing.checkpoint_dir(chain)))
@@ -223,6 +226,10 @@ def test_resume_from_another_workdir_is_bit_exact(interrupted_runs):
     assert_trees_equal(final_state(other, 8)[0], final_state(straight, 8)[0])
     expected = {s: loss for s, loss in losses_by_step(straight).items() if s > 3}
     assert losses_by_step(other) == expected  # this workdir logs its own steps 4..8
+    # The SIGTERM during step 8 did not turn the finished run into a preempted one.
+    assert f"received signal {signal.SIGTERM.value}" in proc.stderr
+    assert "preempted: checkpoint" not in proc.stderr and "stopped by preemption" not in proc.stderr
+    assert os.path.isfile(os.path.join(other, "learning_curve.png"))
 
 
 # ----------------------------------------------------------------------------------------------
