@@ -82,6 +82,26 @@ class Run:
             pytest.fail(f"run in {self.workdir} failed:\n{tails}")
 
 
+def assert_preempted_together(run: Run, step: int) -> None:
+    """Every process of `run` exited normally after saving `step` on a preemption notice.
+
+    The tests' processes get SIGTERM after `step` and wait for JAX's preemption service to pass
+    the notice on (`checkpointing.send_preemption_notice`), so they agree on `step` itself."""
+    run.check()
+    for log in run.logs:
+        assert f"preempted: checkpoint of step {step} saved, exiting" in log
+
+
+def assert_one_writer(workdir: str, steps: int, jobs: int) -> None:
+    """Only process 0 wrote `workdir`'s metrics (of `jobs` jobs run there, one after another):
+    each of steps 1..`steps` has one training line, and each job one TensorBoard event file.
+    A second writer would repeat the lines and add an event file of its own."""
+    records = metrics_writer.read_metrics(workdir)
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, steps + 1))
+    events = os.listdir(os.path.join(workdir, metrics_writer.TENSORBOARD_DIR))
+    assert len([f for f in events if f.startswith("events.out.tfevents")]) == jobs, events
+
+
 class Job:
     """`args` (a `python -m albert_jax.main` command line) as `processes` processes, started at
     once under one `jax.distributed` coordinator; `wait()` collects them. Their output goes to
@@ -242,13 +262,8 @@ def test_two_processes_equal_one_process_step_by_step(runs):
 
 @pytest.mark.timeout(900)
 def test_preempted_processes_agree_on_a_step_save_it_and_exit(runs):
-    preempted = runs["preempted"]
-    preempted.check()  # both exited normally, after the save
-    # Both processes got SIGTERM after step 2 and waited for JAX's preemption service to pass
-    # the notice on (`checkpointing.send_preemption_notice`): they agreed on step 2, saved it
-    # together (not a periodic step) and stopped there.
-    for log in preempted.logs:
-        assert f"preempted: checkpoint of step {SIGTERM_AFTER} saved, exiting" in log
+    # Step 2 is not a periodic save: the notice alone made both processes save it.
+    assert_preempted_together(runs["preempted"], SIGTERM_AFTER)
     assert runs["preempted_steps"] == [SIGTERM_AFTER]
     assert f"resumed at step {SIGTERM_AFTER}" in runs["dist"].logs[0]
 
@@ -257,13 +272,7 @@ def test_preempted_processes_agree_on_a_step_save_it_and_exit(runs):
 def test_only_process_zero_writes_metrics(runs):
     dist = runs["dist"]
     dist.check()
-    # Both processes share the workdir: a second writer would duplicate the lines and add an
-    # event file of its own.
-    records = metrics_writer.read_metrics(dist.workdir)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    events = os.listdir(os.path.join(dist.workdir, metrics_writer.TENSORBOARD_DIR))
-    # One event file per job (the preempted one and its restart), each its process 0's.
-    assert len([f for f in events if f.startswith("events.out.tfevents")]) == 2, events
+    assert_one_writer(dist.workdir, STEPS, jobs=2)  # the preempted job and its restart
     assert os.path.isfile(os.path.join(dist.workdir, metrics_writer.LEARNING_CURVE_FILE))
     assert f"step {STEPS}/{STEPS} | loss" in dist.logs[0]
     assert "| loss" not in dist.logs[1]

@@ -22,7 +22,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from test_distributed import Job
+from test_distributed import Job, assert_one_writer, assert_preempted_together
 from test_finetune import _override, task_files, tiny_tokenizer_path
 
 from albert_jax import checkpointing, finetune, metrics_writer
@@ -138,13 +138,8 @@ def test_two_processes_train_and_predict_as_one(runs):
 
 @pytest.mark.timeout(600)
 def test_preempted_processes_agree_on_a_step_save_it_and_exit(runs):
-    preempted = runs["preempted"]
-    preempted.check()  # both exited normally, after the save
-    # Both processes got SIGTERM after step 6 and waited for JAX's preemption service to pass
-    # the notice on (`checkpointing.send_preemption_notice`): they agreed on step 6, saved it
-    # together (beside the periodic save of step 4) and stopped there.
-    for log in preempted.logs:
-        assert f"preempted: checkpoint of step {SIGTERM_AFTER} saved, exiting" in log
+    # Step 6 is not a periodic save (4, 8, 12): the notice alone made both processes save it.
+    assert_preempted_together(runs["preempted"], SIGTERM_AFTER)
     assert runs["preempted_steps"] == [4, SIGTERM_AFTER]
     assert not runs["preempted_results"]  # no evaluation yet
     assert f"resumed fine-tuning at step {SIGTERM_AFTER}" in runs["dist"].logs[0]
@@ -154,11 +149,6 @@ def test_preempted_processes_agree_on_a_step_save_it_and_exit(runs):
 def test_only_process_zero_writes(runs):
     dist = runs["dist"]
     dist.check()
-    # A second writer would repeat every metrics line and add an event file of its own.
-    records = metrics_writer.read_metrics(dist.workdir)
-    assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
-    events = os.listdir(os.path.join(dist.workdir, metrics_writer.TENSORBOARD_DIR))
-    # One event file per job (the preempted one and its restart), each its process 0's.
-    assert len([f for f in events if f.startswith("events.out.tfevents")]) == 2, events
+    assert_one_writer(dist.workdir, STEPS, jobs=2)  # the preempted job and its restart
     results = json.loads(_read(dist.workdir, finetune.EVAL_RESULTS_FILE))
     assert results["prediction_files"] == [os.path.join(dist.workdir, "predictions.jsonl")]
