@@ -307,14 +307,16 @@ NOTICE_PROPAGATION_S = 3.0
 
 
 def send_preemption_notice() -> None:
-    """Debugging hook (`debug.sigterm_after_step`): SIGTERM to this process, as a scheduler
-    sends before a preemption.
+    """Debugging hook (`debug.sigterm_after_step`): SIGTERM to process 0 only, as a scheduler
+    sends to one host before a preemption.
 
-    With several processes, waits `NOTICE_PROPAGATION_S` for JAX's preemption service to pass
-    the notice on, so that the processes agree on the step they are at: the save step is then
-    `sigterm_after_step` itself, not whichever later step the notice happened to reach.
+    With several processes, every process then waits `NOTICE_PROPAGATION_S` for JAX's
+    preemption service to pass the notice on to all of them, so that they agree on the step
+    they are at: the save step is `sigterm_after_step` itself, not whichever later step the
+    notice happened to reach.
     """
-    os.kill(os.getpid(), signal.SIGTERM)
+    if jax.process_index() == 0:
+        os.kill(os.getpid(), signal.SIGTERM)
     if jax.process_count() > 1:
         time.sleep(NOTICE_PROPAGATION_S)
 

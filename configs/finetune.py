@@ -119,7 +119,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # --- debugging hooks (0 = off); the tests use them to exercise preemption and resume
     c.debug = ml_collections.ConfigDict()
-    c.debug.sigterm_after_step = 0  # the loop sends itself SIGTERM after this step
+    c.debug.sigterm_after_step = 0  # process 0 sends itself SIGTERM after this step
 
     if task in GLUE_PRESETS or task in LOCAL_PRESETS:
         lr, batch, steps, warmup, length, dropout = {**GLUE_PRESETS, **LOCAL_PRESETS}[task]

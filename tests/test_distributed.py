@@ -7,9 +7,9 @@ shards either way), so the per-step losses and the eval metrics agree to fp32 ro
 runs the same number of steps on every process although process 1's validation shard is empty
 (padding rows with weight 0); only process 0 writes metrics; and the Orbax checkpoint written
 by the two processes (FSDP shards spread over both) restores in one process, exactly, and
-training goes on from it on the same batches. The 2-process run is preempted on the way: both
-processes get SIGTERM after step 2, agree on that step through JAX's preemption service, save
-it and exit; a second 2-process job resumes it.
+training goes on from it on the same batches. The 2-process run is preempted on the way:
+process 0 alone gets SIGTERM after step 2 (one host's notice), JAX's preemption service passes
+it on, both processes agree on that step, save it and exit; a second 2-process job resumes it.
 
 The tiny model and corpus are those of test_train.py (Austen as a TFDS dataset, a 1000-piece
 tokenizer). XLA's CPU backend is asked for unoptimized code (`--xla_backend_optimization_level=0`)
@@ -85,8 +85,9 @@ class Run:
 def assert_preempted_together(run: Run, step: int) -> None:
     """Every process of `run` exited normally after saving `step` on a preemption notice.
 
-    The tests' processes get SIGTERM after `step` and wait for JAX's preemption service to pass
-    the notice on (`checkpointing.send_preemption_notice`), so they agree on `step` itself."""
+    In the tests process 0 alone gets SIGTERM after `step`, and every process waits for JAX's
+    preemption service to pass the notice on (`checkpointing.send_preemption_notice`), so they
+    agree on `step` itself."""
     run.check()
     for log in run.logs:
         assert f"preempted: checkpoint of step {step} saved, exiting" in log
@@ -262,7 +263,7 @@ def test_two_processes_equal_one_process_step_by_step(runs):
 
 @pytest.mark.timeout(900)
 def test_preempted_processes_agree_on_a_step_save_it_and_exit(runs):
-    # Step 2 is not a periodic save: the notice alone made both processes save it.
+    # Step 2 is not a periodic save: process 0's notice alone made both processes save it.
     assert_preempted_together(runs["preempted"], SIGTERM_AFTER)
     assert runs["preempted_steps"] == [SIGTERM_AFTER]
     assert f"resumed at step {SIGTERM_AFTER}" in runs["dist"].logs[0]

@@ -6,11 +6,11 @@ on, params sharded over a (data 2, fsdp 2, tensor 2) mesh, checkpoints every 4 s
 Every process reads the whole global batch and puts only its own rows on its devices
 (`finetune._put`); predictions come back to every process from both (`finetune._fetch`), and only
 process 0 writes metrics, predictions and results. The 2-process run is preempted on the way:
-both processes get SIGTERM after step 6, JAX's preemption service makes them agree on that step
-to save, and a second 2-process job resumes from it. The result must still match the
-1-process run step by step (to fp32 rounding: the collectives now cross processes), predict
-the same labels, and the checkpoint the two processes write together must hold the same
-parameters.
+process 0 alone gets SIGTERM after step 6 (one host's notice), JAX's preemption service passes
+it on and makes both agree on that step to save, and a second 2-process job resumes from it.
+The result must still match the 1-process run step by step (to fp32 rounding: the collectives
+now cross processes), predict the same labels, and the checkpoint the two processes write
+together must hold the same parameters.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def finetune_command(workdir, fields: dict[str, object], devices: int):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, shared_data):
     """The config run in this process on 8 devices, and as 2 processes × 4 devices twice in one
-    workdir: the first job is preempted (every process gets SIGTERM after step 6, as on a pod
-    maintenance event), the second resumes it and finishes."""
+    workdir: the first job is preempted (process 0 gets SIGTERM after step 6, as one host of a
+    pod does before maintenance), the second resumes it and finishes."""
     fields = overrides(tiny_tokenizer_path(tmp_path_factory, shared_data), shared_data)
     root = tmp_path_factory.mktemp("distributed_finetune")
     config = get_config(f"task={TASK}")
@@ -138,7 +138,7 @@ def test_two_processes_train_and_predict_as_one(runs):
 
 @pytest.mark.timeout(600)
 def test_preempted_processes_agree_on_a_step_save_it_and_exit(runs):
-    # Step 6 is not a periodic save (4, 8, 12): the notice alone made both processes save it.
+    # Step 6 is not a periodic save (4, 8, 12): process 0's notice made both processes save it.
     assert_preempted_together(runs["preempted"], SIGTERM_AFTER)
     assert runs["preempted_steps"] == [4, SIGTERM_AFTER]
     assert not runs["preempted_results"]  # no evaluation yet
