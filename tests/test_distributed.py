@@ -274,6 +274,7 @@ def test_only_process_zero_writes_metrics(runs):
     dist = runs["dist"]
     dist.check()
     assert_one_writer(dist.workdir, STEPS, jobs=2)  # the preempted job and its restart
+    assert all("loss" in r for r in metrics_writer.read_metrics(dist.workdir))  # no other lines
     assert os.path.isfile(os.path.join(dist.workdir, metrics_writer.LEARNING_CURVE_FILE))
     assert f"step {STEPS}/{STEPS} | loss" in dist.logs[0]
     assert "| loss" not in dist.logs[1]

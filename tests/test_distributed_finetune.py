@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 from test_distributed import Job, assert_one_writer, assert_preempted_together
 from test_finetune import _override, task_files, tiny_tokenizer_path
+from test_finetune_resume import _losses
 
-from albert_jax import checkpointing, finetune, metrics_writer
+from albert_jax import checkpointing, finetune
 from configs.finetune import get_config
 
 STEPS = 12
@@ -92,10 +93,6 @@ def runs(tmp_path_factory, shared_data):
                 os.path.join(root / "dist", finetune.EVAL_RESULTS_FILE)
             )
     return out
-
-
-def _losses(workdir: str) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in metrics_writer.read_metrics(workdir) if "loss" in r}
 
 
 def _read(workdir: str, name: str) -> str:
