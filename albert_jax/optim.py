@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from albert_jax.trees import path_to_str
+
 PyTree = Any
 
 #: Regexes of the official `exclude_from_weight_decay` (also excluded from layer adaptation).
@@ -42,23 +44,6 @@ OPTIMIZERS = ("lamb", "adamw")
 
 # ----------------------------------------------------------------------------------------------
 # Paths and masks
-
-
-def path_to_str(path: Sequence[Any]) -> str:
-    """Joins a `jax.tree_util` key path into the "a/b/c" form used for name matching."""
-    parts = []
-    for key in path:
-        if isinstance(key, jax.tree_util.DictKey):
-            parts.append(str(key.key))
-        elif isinstance(key, jax.tree_util.GetAttrKey):
-            parts.append(key.name)
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            parts.append(str(key.idx))
-        elif isinstance(key, jax.tree_util.FlattenedIndexKey):
-            parts.append(str(key.key))
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
 
 
 def _is_boxed(x: Any) -> bool:
