@@ -13,23 +13,26 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from albert_jax import optim
+from albert_jax import trees
 
 PyTree = Any
 
 
-def load_params_only(path: str, abstract_params: PyTree, shardings: PyTree) -> PyTree:
-    """Params of another model (any layout `load_pretrained` reads), placed in our shardings."""
+def load_params_only(path: str, abstract: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """{"a/b/c": host array} of another model's params (any layout `load_pretrained` reads)
+    for every weight of `abstract` ({"a/b/c": ShapeDtypeStruct}, the model of this config).
+
+    Raises:
+      ValueError: a weight is missing or has another shape (all of them listed).
+    """
     from albert_jax.pretrained import load_pretrained
 
-    loaded = load_pretrained(path).params["params"]
-    flat_expected = {optim.path_to_str(p): x for p, x in jax.tree.leaves_with_path(abstract_params)}
-    flat_loaded = {optim.path_to_str(p): x for p, x in jax.tree.leaves_with_path(loaded)}
-    problems = [f"missing {k}" for k in flat_expected if k not in flat_loaded]
+    loaded = trees.flatten(load_pretrained(path).params["params"])
+    problems = [f"missing {k}" for k in abstract if k not in loaded]
     problems += [
-        f"{k}: checkpoint {tuple(flat_loaded[k].shape)}, model {tuple(x.shape)}"
-        for k, x in flat_expected.items()
-        if k in flat_loaded and tuple(flat_loaded[k].shape) != tuple(x.shape)
+        f"{k}: checkpoint {tuple(loaded[k].shape)}, model {tuple(x.shape)}"
+        for k, x in abstract.items()
+        if k in loaded and tuple(loaded[k].shape) != tuple(x.shape)
     ]
     if problems:
         raise ValueError(
@@ -37,8 +40,7 @@ def load_params_only(path: str, abstract_params: PyTree, shardings: PyTree) -> P
             + "; ".join(problems[:10])
             + (f" (+{len(problems) - 10} more)" if len(problems) > 10 else "")
         )
-    tree = jax.tree.map(lambda x, a: np.asarray(x, a.dtype), loaded, abstract_params)
-    return jax.device_put(tree, shardings)
+    return {k: np.asarray(loaded[k]) for k in abstract}
 
 
 def data_state_for_save(iterator: Any) -> dict[str, Any]:

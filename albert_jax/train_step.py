@@ -1,8 +1,10 @@
-"""The jitted pieces of pretraining: sharded state creation, the train step, the eval step.
+"""Pretraining's model half for the one loop (`albert_jax.loop`): the model, its init, LAMB,
+the MLM + SOP loss, the evaluation sums, and the step's FLOPs.
 
 One step (paper Sec. 4.1): a global batch of masked sequence pairs → `AlbertForPreTraining`
 → MLM + SOP (or NSP) loss → global-norm clip → LAMB with a per-layer trust ratio → new
-params. Host batches become global arrays with `put_batch`.
+params. `create_train_state` / `make_train_step` give benchmarks and tests the state and step
+the loop compiles.
 """
 
 from __future__ import annotations
@@ -10,51 +12,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import flax.linen as nn
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from albert_jax import flops, losses, optim
+from albert_jax import flops, loop, losses, optim
 from albert_jax.model import AlbertForPreTraining, init_params
-from albert_jax.sharding import LOGICAL_AXIS_RULES
 
 PyTree = Any
-
-
-@flax.struct.dataclass
-class TrainState:
-    """step: int32 scalar (updates done); params: plain params tree; opt_state: optax state."""
-
-    step: jax.Array
-    params: PyTree
-    opt_state: PyTree
-
-
-def put_batch(
-    batch: Mapping[str, np.ndarray], sharding: NamedSharding, global_batch: int
-) -> dict[str, jax.Array]:
-    """This process's rows [b, ...] → global arrays [global_batch, ...] sharded by `sharding`.
-
-    With several processes each one passes its own rows (its data shards' batches);
-    `make_array_from_process_local_data` puts them in the global rows that the process's devices
-    hold, which the mesh decides: rows [p·b, (p+1)·b) for process p when the mesh lists devices
-    in process order, as on CPU. (Losses are means over rows, so row order does not matter.)
-    The explicit global shape turns a mesh that does not split the batch over the processes
-    into an error instead of a silently smaller batch.
-    """
-    if jax.process_count() == 1:
-        return jax.device_put(dict(batch), sharding)
-    # An explicit transfer; the guard around the loop would count it as implicit.
-    with jax.transfer_guard("allow"):
-        return {
-            k: jax.make_array_from_process_local_data(sharding, v, (global_batch, *v.shape[1:]))
-            for k, v in batch.items()
-        }
 
 
 def majority_accuracies(
@@ -85,57 +53,61 @@ def majority_accuracies(
 
 
 # ----------------------------------------------------------------------------------------------
-# State, step and evaluation
+# Model, loss and evaluation
+
+
+class PretrainingModel:
+    """The model half of the pretraining objective: `AlbertForPreTraining`, its init, LAMB
+    (per-layer trust ratio for stacked weights) and the MLM + SOP loss; what `loop.Loop`
+    compiles. `mesh` sizes the init's dummy batch so that it splits over the data axes."""
+
+    def __init__(self, config: Any, model: AlbertForPreTraining, mesh: Mesh | None = None):
+        self.config, self.model = config, model
+        self.init_rows = mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1
+        self.sentence_order = config.objective != "none"
+        self.microbatches = int(config.microbatches)
+        self._eval_sums = make_eval_step(config, model)
+
+    def init_variables(self, rng: jax.Array) -> PyTree:
+        return init_params(self.model, rng, batch_size=self.init_rows, seq_len=8)["params"]
+
+    def make_optimizer(self, boxed_params: PyTree) -> optax.GradientTransformation:
+        # LAMB's trust ratio is per layer for stacked (unshared) weights, read off the axes.
+        stacked = optim.stacked_from_logical_axes(boxed_params)
+        return optim.make_optimizer(self.config, stacked=stacked)
+
+    def loss(self, params: PyTree, batch: Mapping[str, jax.Array], rng: jax.Array):
+        outputs = self.model.apply(
+            {"params": params},
+            *_model_inputs(batch),
+            deterministic=False,
+            return_sequence_output=False,  # last layer only where the heads read
+            rngs={"dropout": rng},
+        )
+        return losses.pretraining_loss(outputs, batch, sentence_order=self.sentence_order)
+
+    def eval_fn(self, params: PyTree, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        return self._eval_sums(params, batch)
 
 
 def create_train_state(
     config: Any, model: AlbertForPreTraining, mesh: Mesh
-) -> tuple[optax.GradientTransformation, TrainState, TrainState, Callable[..., TrainState]]:
-    """Optimizer, abstract state (ShapeDtypeStructs), state shardings and a sharded initializer.
+) -> tuple[optax.GradientTransformation, Any, Any, Callable[..., Any]]:
+    """(optimizer, abstract state, state shardings, initializer) of the pretraining state, as
+    the loop creates it (benchmarks and tests compile the same state). Must run under
+    `jax.set_mesh(mesh)` and `nn.logical_axis_rules(LOGICAL_AXIS_RULES)`."""
+    layout = loop.create_state(PretrainingModel(config, model, mesh), mesh, int(config.seed))
+    return layout.tx, layout.abstract, layout.shardings, layout.initialize
 
-    Must run under `jax.set_mesh(mesh)` and `nn.logical_axis_rules(LOGICAL_AXIS_RULES)`.
-    """
-    dp = mesh.shape["data"] * mesh.shape["fsdp"]
-    init_vars = lambda rng: init_params(model, rng, batch_size=dp, seq_len=8)["params"]
-    rng = jax.random.key(config.seed)
-    boxed = jax.eval_shape(init_vars, rng)
-    param_shardings = nn.logical_to_mesh_sharding(
-        nn.get_partition_spec(boxed), mesh, LOGICAL_AXIS_RULES
-    )
-    # LAMB's trust ratio is per layer for stacked (unshared) weights, read off the logical axes.
-    tx = optim.make_optimizer(config, stacked=optim.stacked_from_logical_axes(boxed))
-    # `.value`, not nn.meta.unbox: unbox would add a sharding constraint to a ShapeDtypeStruct.
-    abstract_params = jax.tree.map(
-        lambda x: x.value if isinstance(x, nn.meta.AxisMetadata) else x,
-        boxed,
-        is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata),
-    )
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    # Moments follow their parameter's sharding; counters and hyperparameters are replicated.
-    opt_shardings = optax.tree_map_params(
-        tx,
-        lambda _, sharding: sharding,
-        abstract_opt,
-        param_shardings,
-        transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, NamedSharding),
-    )
-    shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
-    abstract = TrainState(
-        step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt
-    )
 
-    def initialize(params: PyTree | None = None) -> TrainState:
-        """Fresh state; `params` (already sharded) replace the random init (init_from)."""
-        if params is None:
-            init = jax.jit(lambda r: nn.meta.unbox(init_vars(r)), out_shardings=param_shardings)
-            params = init(rng)
-        opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
-        step = jax.device_put(np.int32(0), replicated)
-        return TrainState(step=step, params=params, opt_state=opt_state)
-
-    return tx, abstract, shardings, initialize
+def make_train_step(
+    config: Any, model: AlbertForPreTraining, tx: optax.GradientTransformation
+) -> Callable:
+    """(state, batch) → (state after one LAMB update, scalar metrics): the step the loop runs."""
+    objective = PretrainingModel(config, model)
+    return loop.make_step(
+        objective.loss, tx, microbatches=objective.microbatches, seed=int(config.seed)
+    )
 
 
 def _model_inputs(batch: Mapping[str, jax.Array]) -> tuple[jax.Array, ...]:
@@ -160,43 +132,6 @@ def train_step_flops(
         max_predictions_per_seq,
         last_layer_positions=1 + max_predictions_per_seq,
     )
-
-
-def make_train_step(
-    config: Any, model: AlbertForPreTraining, tx: optax.GradientTransformation
-) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
-    """(state, batch) → (state after one LAMB update, scalar metrics)."""
-    sentence_order = config.objective != "none"
-    microbatches = config.microbatches
-    dropout_key = jax.random.key(config.seed + 1)  # independent of the init key
-
-    def loss_fn(params: PyTree, batch: dict[str, jax.Array], rng: jax.Array | None):
-        outputs = model.apply(
-            {"params": params},
-            *_model_inputs(batch),
-            deterministic=False,
-            return_sequence_output=False,  # last layer only where the heads read
-            rngs={"dropout": rng},
-        )
-        return losses.pretraining_loss(outputs, batch, sentence_order=sentence_order)
-
-    def train_step(state: TrainState, batch: dict[str, jax.Array]):
-        rng = jax.random.fold_in(dropout_key, state.step)
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        _, metrics, grads = optim.accumulate_gradients(
-            grad_fn, state.params, batch, microbatches, rng
-        )
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {
-            **metrics,
-            "grad_norm": optax.tree.norm(grads),
-            "param_norm": optax.tree.norm(params),
-            "learning_rate": optim.current_learning_rate(opt_state),
-        }
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
-
-    return train_step
 
 
 def _label_log_probs(logits: jax.Array, labels: jax.Array) -> jax.Array:

@@ -1,0 +1,547 @@
+"""THE training loop: pretraining and fine-tuning both run `run(objective, ...)`.
+
+What the loop owns (one place each):
+- State: parameters and optimizer state are created directly in their sharded layout.
+  `eval_shape` gives the boxed abstract params, their logical axes map to mesh shardings
+  through `LOGICAL_AXIS_RULES`, and `jax.jit(init, out_shardings=...)` materializes each shard
+  on its device. Weights the objective brings from elsewhere (`initial_weights`: init_from, a
+  pretrained backbone) are placed as they are; only the rest is initialized.
+- The step: one `jax.jit` with explicit in/out shardings and the state donated; gradient
+  accumulation over microbatches, the optimizer update, and the gradient / parameter norms.
+- Metrics are fetched one step late: the host dispatches step s+1 before it waits for the
+  numbers of step s, so the device never idles on Python. One divergence policy: a non-finite
+  loss, gradient norm or parameter norm raises `TrainingDivergedError` naming the step and the
+  last good checkpoint; checkpoints are only written for states already checked finite.
+- Saves: periodic, final and preemption saves (a single process catches SIGTERM itself;
+  several agree on the save step through JAX's preemption service, which Orbax reports).
+- Resume: this workdir's latest checkpoint → `resume_from` → params-only init → scratch
+  (`checkpointing.plan_resume`); the objective positions its data at the restored step.
+- One metrics writer (process 0), rewound to the restored step.
+- `jax.transfer_guard("disallow")` around the steps turns any implicit host↔device copy (a
+  silent slowdown) into an error; batches are put on devices explicitly.
+
+What an objective supplies is the `Objective` protocol below: its model and loss, its batches
+and their saved position, its evaluation, and what it writes at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import signal
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from albert_jax import checkpointing, flops, metrics_writer, optim, trees
+from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding
+
+PyTree = Any
+Batch = Mapping[str, np.ndarray]
+
+
+class TrainingDivergedError(FloatingPointError):
+    """A non-finite loss, gradient norm or parameter norm; names the step and last checkpoint."""
+
+
+@flax.struct.dataclass
+class TrainState:
+    """step: int32 scalar (updates done); params: plain params tree; opt_state: optax state."""
+
+    step: jax.Array
+    params: PyTree
+    opt_state: PyTree
+
+
+# ----------------------------------------------------------------------------------------------
+# What an objective supplies
+
+
+class Objective(Protocol):
+    """Pretraining (MLM + SOP on the data pipeline) or fine-tuning (a task kind on its
+    features): everything the loop does not decide itself.
+
+    Attributes:
+      total_steps: the run's number of updates.
+      global_batch: rows of one training batch over all processes.
+      microbatches: gradient accumulation steps per update (1: none).
+      flops_per_step: model FLOPs of one update over the global batch, or None (no MFU).
+      eval_every_steps: evaluate every that many steps (0: never during training).
+      final_eval: also evaluate after the last step (and on a run that has nothing left to
+        train), even when `eval_every_steps` is 0.
+      eval_reduces: `eval_fn` returns sums over the batch (replicated), not rows.
+    """
+
+    total_steps: int
+    global_batch: int
+    microbatches: int
+    flops_per_step: float | None
+    eval_every_steps: int
+    final_eval: bool
+    eval_reduces: bool
+
+    def init_variables(self, rng: jax.Array) -> PyTree:
+        """The boxed (logical-axis annotated) params tree of a random init."""
+
+    def make_optimizer(self, boxed_params: PyTree) -> optax.GradientTransformation: ...
+
+    def initial_weights(self, abstract: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
+        """{"a/b/c": host array} of weights a fresh run starts from (the rest is initialized);
+        {} for a random init. Called only when no checkpoint is restored."""
+
+    def loss(
+        self, params: PyTree, batch: Mapping[str, jax.Array], rng: jax.Array
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(scalar loss, scalar metrics incl. "loss") of a training batch; traced in the step."""
+
+    def eval_fn(self, params: PyTree, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """Outputs of an eval batch: sums (`eval_reduces`) or per-row arrays [B, ...]."""
+
+    def check_resume(self, saved_data: Any, step: int) -> None:
+        """Refuses (ValueError) a checkpoint's data state that this run cannot continue."""
+
+    def start(self, step: int, saved_data: Any, meta: Mapping[str, Any] | None) -> None:
+        """Positions the training data after `step` updates (`saved_data` / `meta` of the
+        restored checkpoint, None for a fresh run)."""
+
+    def next_batch(self, step: int) -> dict[str, np.ndarray]:
+        """This process's rows of the batch of update `step` (1-based) [global_batch / n, ...]."""
+
+    def data_state(self, step: int) -> Any:
+        """JSON saved with the checkpoint of `step`: what fixes the batches after it."""
+
+    def meta(self) -> dict[str, Any]:
+        """JSON saved with every checkpoint (model config, ...); the loop adds "step"."""
+
+    def evaluate(self, loop: Loop, params: PyTree) -> dict[str, Any]:
+        """Numeric `eval_*` metrics of `params` (logged with the step's record)."""
+
+    def close(self) -> None: ...
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches between the host and the devices
+
+
+def put_batch(batch: Batch, sharding: NamedSharding, global_batch: int) -> dict[str, jax.Array]:
+    """This process's rows [b, ...] → global arrays [global_batch, ...] sharded by `sharding`.
+
+    With several processes each one passes its own rows; `make_array_from_process_local_data`
+    puts them in the global rows that the process's devices hold, which the mesh decides: rows
+    [p·b, (p+1)·b) for process p when the mesh lists devices in process order, as on CPU.
+    The explicit global shape turns a mesh that does not split the batch over the processes
+    into an error instead of a silently smaller batch.
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(dict(batch), sharding)
+    # An explicit transfer; the guard around the loop would count it as implicit.
+    with jax.transfer_guard("allow"):
+        return {
+            k: jax.make_array_from_process_local_data(sharding, v, (global_batch, *v.shape[1:]))
+            for k, v in batch.items()
+        }
+
+
+def process_rows(batch: Batch) -> dict[str, np.ndarray]:
+    """This process's rows [p·B/n, (p+1)·B/n) of a global host batch [B, ...] that every
+    process holds whole (fine-tuning features)."""
+    rows = len(next(iter(batch.values()))) // jax.process_count()
+    start = jax.process_index() * rows
+    return {k: v[start : start + rows] for k, v in batch.items()}
+
+
+def fetch(tree: PyTree) -> PyTree:
+    """Device arrays → host numpy, whole on every process (rows of all processes)."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# State and step
+
+
+@dataclasses.dataclass
+class StateLayout:
+    """The optimizer, abstract state (ShapeDtypeStructs), state shardings and an initializer
+    `initialize(loaded={path: host array}) -> TrainState` that places loaded weights and
+    initializes the rest on their devices."""
+
+    tx: optax.GradientTransformation
+    abstract: TrainState
+    shardings: TrainState
+    initialize: Callable[..., TrainState]
+
+
+def create_state(objective: Any, mesh: Mesh, seed: int) -> StateLayout:
+    """Sharded state creation for `objective` (its `init_variables` and `make_optimizer`).
+
+    Must run under `jax.set_mesh(mesh)` and `nn.logical_axis_rules(LOGICAL_AXIS_RULES)`.
+    """
+    rng = jax.random.key(seed)
+    boxed = jax.eval_shape(objective.init_variables, rng)
+    param_shardings = nn.logical_to_mesh_sharding(
+        nn.get_partition_spec(boxed), mesh, LOGICAL_AXIS_RULES
+    )
+    tx = objective.make_optimizer(boxed)
+    # `.value`, not nn.meta.unbox: unbox would add a sharding constraint to a ShapeDtypeStruct.
+    abstract_params = jax.tree.map(
+        lambda x: x.value if isinstance(x, nn.meta.AxisMetadata) else x,
+        boxed,
+        is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata),
+    )
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    # Moments follow their parameter's sharding; counters and hyperparameters are replicated.
+    opt_shardings = optax.tree_map_params(
+        tx,
+        lambda _, sharding: sharding,
+        abstract_opt,
+        param_shardings,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+    shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+    abstract = TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt
+    )
+    flat_abstract, flat_shardings = trees.flatten(abstract_params), trees.flatten(param_shardings)
+
+    def initialize(loaded: Mapping[str, Any] | None = None) -> TrainState:
+        """Fresh state: `loaded` weights as they are, the others as a random init gives them."""
+        loaded = loaded or {}
+        missing = [k for k in flat_abstract if k not in loaded]
+
+        def init_missing(r: jax.Array) -> dict[str, jax.Array]:
+            # XLA drops the initializers of the weights not returned, so loading a backbone
+            # costs no random init of it; each returned weight gets a full init's value.
+            flat = trees.flatten(nn.meta.unbox(objective.init_variables(r)))
+            return {k: flat[k] for k in missing}
+
+        fresh = {}
+        if missing:
+            out_shardings = {k: flat_shardings[k] for k in missing}
+            fresh = jax.jit(init_missing, out_shardings=out_shardings)(rng)
+        placed = {
+            k: fresh[k] if k in fresh
+            else jax.device_put(np.asarray(loaded[k], flat_abstract[k].dtype), flat_shardings[k])
+            for k in flat_abstract
+        }  # fmt: skip
+        params = jax.tree.map(lambda _, x: x, abstract_params, trees.unflatten(placed))
+        opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+        return TrainState(jax.device_put(np.int32(0), replicated), params, opt_state)
+
+    return StateLayout(tx, abstract, shardings, initialize)
+
+
+def make_step(
+    loss_fn: Callable[[PyTree, Any, jax.Array], tuple[jax.Array, dict[str, jax.Array]]],
+    tx: optax.GradientTransformation,
+    *,
+    microbatches: int,
+    seed: int,
+) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
+    """(state, batch) → (state after one update, scalar metrics): `loss_fn`'s metrics plus
+    `grad_norm`, `param_norm` and `learning_rate`. Dropout keys are `fold_in(key, step)`."""
+    dropout_key = jax.random.key(seed + 1)  # independent of the init key
+
+    def train_step(state: TrainState, batch: dict[str, jax.Array]):
+        rng = jax.random.fold_in(dropout_key, state.step)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        _, metrics, grads = optim.accumulate_gradients(
+            grad_fn, state.params, batch, microbatches, rng
+        )
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {
+            **metrics,
+            "grad_norm": optax.tree.norm(grads),
+            "param_norm": optax.tree.norm(params),
+            "learning_rate": optim.current_learning_rate(opt_state),
+        }
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return train_step
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+
+
+@dataclasses.dataclass
+class _Pending:
+    """Metrics of a dispatched step, fetched one step later."""
+
+    step: int
+    metrics: dict[str, jax.Array]
+    eval: dict[str, Any] | None = None
+
+
+def _debug(config: Any, name: str) -> int:
+    debug = config.get("debug") if hasattr(config, "get") else None
+    value = debug.get(name) if debug is not None and hasattr(debug, "get") else None
+    return int(value or 0)
+
+
+class Loop:
+    """One run of `objective`: state, compiled functions, checkpoints and metrics.
+
+    Args:
+      objective: see `Objective`.
+      config: the run's config; the loop reads `seed`, `log_every_steps`,
+        `checkpoint_every_steps` (0: only the final and preemption saves),
+        `keep_checkpoints`, `resume_from` / `init_from` (where present) and `debug.*` hooks.
+      workdir: where checkpoints and metrics go (local or gs://).
+      mesh: the device mesh; the loop enters it (`jax.set_mesh`) for its whole life.
+      peak: (peak FLOP/s of one chip, chips sharing the work) for MFU, or None.
+    """
+
+    def __init__(
+        self,
+        objective: Objective,
+        config: Any,
+        workdir: str,
+        mesh: Mesh,
+        peak: tuple[float | None, int] | None = None,
+    ):
+        self.objective, self.config, self.workdir, self.mesh = objective, config, workdir, mesh
+        self.total = objective.total_steps
+        self.peak, self.chips = peak or (None, 0)
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(jax.set_mesh(mesh))
+        self._stack.enter_context(nn.logical_axis_rules(LOGICAL_AXIS_RULES))
+        self.batch_sharding = batch_sharding(mesh)
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.layout = create_state(objective, mesh, int(config.seed))
+        every = int(config.checkpoint_every_steps) or max(self.total, 1)
+        self.checkpointer = checkpointing.Checkpointer(
+            workdir, every_steps=every, keep=int(config.keep_checkpoints)
+        )
+        self.writer = metrics_writer.MetricsWriter(workdir, enabled=jax.process_index() == 0)
+        shardings = self.layout.shardings
+        self.train_step = jax.jit(
+            make_step(
+                objective.loss,
+                self.layout.tx,
+                microbatches=objective.microbatches,
+                seed=int(config.seed),
+            ),
+            in_shardings=(shardings, self.batch_sharding),
+            out_shardings=(shardings, self.replicated),
+            donate_argnums=0,
+        )
+        self._eval_step = jax.jit(
+            objective.eval_fn,
+            in_shardings=(shardings.params, self.batch_sharding),
+            out_shardings=self.replicated if objective.eval_reduces else self.batch_sharding,
+        )
+        self.state, self.start_step = self._restore_or_initialize()
+        self._interval: tuple[int, float] | None = None  # (step, time) where it started
+        self._excluded = 0.0  # seconds of evaluation / checkpointing inside the interval
+        self.last_record: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------------------ starting
+    def _restore_or_initialize(self) -> tuple[TrainState, int]:
+        config, objective, layout = self.config, self.objective, self.layout
+        plan = checkpointing.plan_resume(
+            self.workdir, config.get("resume_from"), config.get("init_from")
+        )
+        logging.info("start: %s", plan)
+        if plan.step is None:  # init_from / scratch: the objective's weights, the rest fresh
+            state = layout.initialize(
+                objective.initial_weights(trees.flatten(layout.abstract.params))
+            )
+            objective.start(0, None, None)
+            self.writer.rewind(0)  # lines of an earlier attempt that never checkpointed
+            return state, 0
+        assert plan.path is not None
+        with contextlib.ExitStack() as stack:
+            source = self.checkpointer
+            if plan.kind == "resume_from":  # another run's full state; we save into ours
+                source = stack.enter_context(checkpointing.Checkpointer(plan.path, read_only=True))
+            saved_data = source.read_json(plan.step, "data")
+            objective.check_resume(saved_data, plan.step)  # before the arrays are read
+            restored = source.restore(
+                plan.step,
+                checkpointing.abstract_like(layout.abstract.params, layout.shardings.params),
+                checkpointing.abstract_like(layout.abstract.opt_state, layout.shardings.opt_state),
+            )
+        state = TrainState(
+            step=jax.device_put(np.int32(restored.step), self.replicated),
+            params=restored.params,
+            opt_state=restored.opt_state,
+        )
+        objective.start(restored.step, restored.data, restored.meta)
+        dropped = self.writer.rewind(restored.step)
+        logging.info("resumed at step %d from %s (%s); dropped %d stale metric lines",
+                     restored.step, plan.path, plan.kind, dropped)  # fmt: skip
+        return state, restored.step
+
+    # --------------------------------------------------------------------------- evaluation
+    def eval_step(self, params: PyTree, local_batch: Batch, global_batch: int) -> PyTree:
+        """The objective's `eval_fn` on this process's rows of a batch (`global_batch` rows
+        over all processes); outputs stay on the devices."""
+        return self._eval_step(params, put_batch(local_batch, self.batch_sharding, global_batch))
+
+    def _evaluate(self, params: PyTree) -> dict[str, Any]:
+        jax.block_until_ready(params)  # the training step is not evaluation time
+        start = time.perf_counter()
+        with jax.transfer_guard("allow"):  # evaluation gathers outputs on the host
+            metrics = self.objective.evaluate(self, params)
+        self._excluded += time.perf_counter() - start
+        return metrics
+
+    def _eval_due(self, step: int) -> bool:
+        every = self.objective.eval_every_steps
+        if every and step % every == 0:
+            return True
+        return step == self.total and (bool(every) or self.objective.final_eval)
+
+    # ----------------------------------------------------------------------------------- run
+    def run(self) -> dict[str, Any]:
+        """Trains from the restored step to `total_steps`. Returns the last logged record plus
+        `step`, `preempted` (a notice stopped the run after saving; the caller should exit 0
+        so that a restart resumes; a notice during the last step just ends the run normally)
+        and `checkpoint_step`.
+
+        Raises:
+          TrainingDivergedError: a non-finite loss, gradient norm or parameter norm.
+        """
+        total, start = self.total, self.start_step
+        if start >= total:
+            logging.info("nothing to train: step %d >= %d steps", start, total)
+            if self.objective.final_eval:
+                self.last_record = self._evaluate(self.state.params)
+                self.writer.write(start, self.last_record)
+            if self.checkpointer.latest_step() is None:  # e.g. evaluation only: keep the model
+                self._save(start, force=True)
+            self.checkpointer.wait()
+            return {**self.last_record, "step": start, "preempted": False,
+                    "checkpoint_step": self.checkpointer.latest_step()}  # fmt: skip
+        sigterm_after = _debug(self.config, "sigterm_after_step")
+        sigkill_after_save = _debug(self.config, "sigkill_after_save_at_step")
+        single_process = jax.process_count() == 1
+        # Single process: SIGTERM sets a flag read at step boundaries. Several: JAX's
+        # preemption service owns SIGTERM and the processes agree on the save step (Orbax).
+        signal_flag = checkpointing.PreemptionSignal() if single_process else None
+        preempted, step = False, start
+        pending: _Pending | None = None
+        # Nothing else may be in flight when the steps start, and at most two steps are.
+        # (XLA:CPU runs the collectives of virtual devices on a shared thread pool; a deep
+        # queue of multi-device programs can starve a rendezvous until it aborts the process.)
+        jax.block_until_ready(self.state)
+        logging.info("training steps %d..%d", start + 1, total)
+        with signal_flag or contextlib.nullcontext(), jax.transfer_guard("disallow"):
+            for step in range(start + 1, total + 1):  # `step` = updates done after it
+                host_batch = self.objective.next_batch(step)
+                batch = put_batch(host_batch, self.batch_sharding, self.objective.global_batch)
+                self.state, metrics = self.train_step(self.state, batch)
+                # Step `step` is queued; only now wait for the numbers of the one before.
+                if pending is not None:
+                    self._finish(pending)
+                pending = _Pending(step, metrics)
+                if self._eval_due(step):
+                    pending.eval = self._evaluate(self.state.params)
+                if step == sigterm_after:
+                    checkpointing.send_preemption_notice()
+                preempted = signal_flag is not None and signal_flag.requested
+                if preempted or step == total or self.checkpointer.should_save(step):
+                    self._finish(pending)  # never checkpoint a state not checked finite
+                    pending = None
+                    self._save(step, force=preempted or step == total)
+                    if step == sigkill_after_save:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                if not single_process and self.checkpointer.reached_preemption(step):
+                    preempted = True
+                if preempted:
+                    if step < total:
+                        logging.warning("preempted: checkpoint of step %d saved, exiting", step)
+                        break
+                    preempted = False  # the last step: its save is the final one
+            if pending is not None:
+                self._finish(pending)
+        self.checkpointer.wait()
+        return {**self.last_record, "step": step, "preempted": preempted,
+                "checkpoint_step": self.checkpointer.latest_step()}  # fmt: skip
+
+    def _save(self, step: int, force: bool) -> None:
+        start = time.perf_counter()
+        # Gathering the per-process data states is an explicit, rare transfer.
+        with jax.transfer_guard("allow"):
+            self.checkpointer.save(
+                step,
+                params=self.state.params,
+                opt_state=self.state.opt_state,
+                data=self.objective.data_state(step),
+                meta={**self.objective.meta(), "step": step},
+                force=force,
+            )
+        self._excluded += time.perf_counter() - start
+
+    def _finish(self, pending: _Pending) -> None:
+        """Fetches a step's metrics, stops on non-finite values, logs on log steps."""
+        values = {k: float(v) for k, v in jax.device_get(pending.metrics).items()}
+        bad = [k for k in ("loss", "grad_norm", "param_norm") if not math.isfinite(values[k])]
+        if bad:
+            self._diverged(pending.step, values, bad)
+        now = time.perf_counter()
+        if self._interval is None:  # the first step includes compilation: start timing after it
+            self._interval = (pending.step, now)
+            self._excluded = 0.0
+        log_step = pending.step % int(self.config.log_every_steps) == 0
+        if not (log_step or pending.step == self.total or pending.eval):
+            return
+        record: dict[str, Any] = dict(values)
+        first_step, first_time = self._interval
+        rate = mfu = eta = None
+        if pending.step > first_step:
+            elapsed = max(now - first_time - self._excluded, 1e-9)
+            step_time = elapsed / (pending.step - first_step)
+            rate = self.objective.global_batch / step_time
+            eta = step_time * (self.total - pending.step)
+            if self.peak and self.objective.flops_per_step:
+                mfu = flops.mfu(self.objective.flops_per_step, step_time, self.chips, self.peak)
+        self._interval, self._excluded = (pending.step, now), 0.0
+        record["examples_per_sec"] = rate
+        if self.objective.flops_per_step is not None:
+            record["mfu"] = mfu
+        record.update(pending.eval or {})
+        self.writer.write(pending.step, record)
+        self.last_record = record
+        if jax.process_index() == 0:  # one progress line per step for the whole job
+            logging.info(metrics_writer.progress_line(pending.step, self.total, record, eta))
+
+    def _diverged(self, step: int, values: dict[str, float], bad: list[str]) -> None:
+        self.checkpointer.wait()  # the last good checkpoint must be committed before we name it
+        last = self.checkpointer.latest_step()
+        where = (
+            f"{self.checkpointer.step_dir(last)} (step {last})"
+            if last is not None
+            else "none (no checkpoint was saved before it)"
+        )
+        self.writer.write(step, values)
+        raise TrainingDivergedError(
+            f"non-finite {', '.join(bad)} at step {step} (loss={values['loss']}, "
+            f"grad_norm={values['grad_norm']}, param_norm={values['param_norm']}); last good "
+            f"checkpoint: {where}. Lower config.learning_rate (or check the data) and restart."
+        )
+
+    def close(self) -> None:
+        try:
+            self.objective.close()
+            self.checkpointer.close()
+            self.writer.close()
+        finally:
+            self._stack.close()
