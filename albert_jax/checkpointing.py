@@ -1,6 +1,7 @@
-"""Training checkpoints: a thin wrapper over Orbax's V0 `ocp.CheckpointManager`.
+"""Training checkpoints: a thin wrapper over Orbax's V0 `ocp.CheckpointManager`, and every
+checkpoint read of the package (`load_pretrained`, fine-tuning inits, tests) in one place.
 
-Layout (read by `albert_jax.pretrained.load_pretrained` as well):
+Layout (WORKDIR local or `gs://`; Orbax reads and writes object stores with its own client):
 
     WORKDIR/checkpoints/<step>/params     StandardSave of the plain (unboxed) params tree, the
                                           tree that goes under {"params": ...}
@@ -11,8 +12,9 @@ Layout (read by `albert_jax.pretrained.load_pretrained` as well):
 
 Saves are asynchronous: the arrays are copied to host memory, then written and committed by a
 background thread. Orbax writes into a temporary directory and renames it only once every item
-is on disk, so a process killed mid-save (even with SIGKILL) leaves the previous checkpoint as
-the latest one; the half-written directory is ignored and cleaned up on the next start.
+is on disk (on object stores, which cannot rename, it writes in place and commits with a marker
+file), so a process killed mid-save (even with SIGKILL) leaves the previous checkpoint as the
+latest one; the half-written directory is ignored and cleaned up on the next start.
 
 Preemption: on TPU pods (and any multi-process job) JAX's preemption service turns the
 scheduler's SIGTERM into a synchronized "save now" step that Orbax's
@@ -41,21 +43,29 @@ from absl import logging
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
+from albert_jax import files, trees
+from albert_jax.config import ModelConfig
+
 CHECKPOINTS_DIR = "checkpoints"
 TOKENIZER_FILE = "tokenizer.model"
 ITEMS = ("params", "opt_state", "data", "meta")
+# Top-level modules of `AlbertForPreTraining`; anything else in a params tree is a task head.
+PRETRAINING_PARTS = ("albert", "predictions", "sop_classifier")
 
 PyTree = Any
 
-
-def absolute(path: str) -> str:
-    """An absolute local path; object-store paths (gs://...) unchanged."""
-    return str(path) if "://" in str(path) else os.path.abspath(path)
+absolute = files.absolute  # an absolute local path; object-store paths (gs://...) unchanged
 
 
 def checkpoint_dir(workdir: str) -> str:
     """WORKDIR/checkpoints."""
-    return str(epath.Path(absolute(workdir)) / CHECKPOINTS_DIR)
+    return str(files.as_path(workdir) / CHECKPOINTS_DIR)
+
+
+def checkpoint_meta(config: ModelConfig, step: int, **extra: Any) -> dict[str, Any]:
+    """The `meta` item of a training checkpoint: `{"model_config", "step", **extra}`
+    (`load_pretrained` rebuilds the model from `model_config`)."""
+    return {"model_config": config.to_dict(), "step": int(step), **extra}
 
 
 def abstract_like(tree: PyTree, shardings: PyTree | None = None) -> PyTree:
@@ -217,31 +227,13 @@ class Checkpointer:
         """
         if item not in ("params", "opt_state"):
             raise ValueError(f"item must be 'params' or 'opt_state', got {item!r}")
-        # The item's own metadata (shapes, dtypes, the saving sharding). The manager's
-        # `item_metadata` is None for items it has no handler for yet (a read-only manager
-        # before its first restore), so the item directory is read directly.
-        handler = ocp.StandardCheckpointHandler()
-        try:
-            tree = handler.metadata(epath.Path(self.step_dir(step)) / item).tree
-        finally:
-            handler.close()
-        # numpy leaves make Orbax restore with `RestoreArgs(restore_type=np.ndarray)`: each
-        # array is read whole onto the host and the saved sharding is never rebuilt (abstract
-        # ShapeDtypeStructs without a sharding would fall back to the saved one and fail on
-        # another topology). np.empty only reserves memory; Orbax returns new arrays.
-        target = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), tree)
-        restored = self._manager.restore(
-            step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(target)})
-        )
-        return restored[item]
+        return read_item_numpy(epath.Path(self.step_dir(step)) / item)
 
     def read_json(self, step: int, item: str) -> Any:
         """The `data` or `meta` item of a step."""
         if item not in ("data", "meta"):
             raise ValueError(f"item must be 'data' or 'meta', got {item!r}")
-        return self._manager.restore(
-            step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()})
-        )[item]
+        return read_json_item(epath.Path(self.step_dir(step)) / item)
 
 
 # ------------------------------------------------------------------------------ resume order
@@ -265,9 +257,9 @@ def latest_committed_step(workdir: str) -> int | None:
     directory = checkpoint_dir(workdir)
     if not epath.Path(directory).is_dir():
         return None
-    manager = ocp.CheckpointManager(
-        directory, item_names=ITEMS, options=ocp.CheckpointManagerOptions(read_only=True)
-    )
+    # save_interval_steps / create set as read_only forces them (else Orbax warns it did).
+    options = ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0, create=False)
+    manager = ocp.CheckpointManager(directory, item_names=ITEMS, options=options)
     try:
         return manager.latest_step()
     finally:
@@ -298,6 +290,126 @@ def plan_resume(
     if init_from:
         return ResumePlan("init_from", init_from)
     return ResumePlan("scratch")
+
+
+# ---------------------------------------------------------------------------------- readers
+# These read one item directory with its Orbax handler, not a manager or a Checkpointer: a
+# step dir (or a model dir's `params/`) may lie anywhere, and on object stores the commit
+# marker is the step dir's, not the item's, so a Checkpointer would take the item for an
+# unfinished save. `read_step_dir` checks the step dir's commit instead.
+
+
+def read_item_numpy(item_dir: str | epath.Path) -> PyTree:
+    """A StandardSave item (`.../<step>/params`, a model dir's `params/`) as host numpy arrays,
+    whatever mesh, device count or process count saved it.
+
+    Returns the saved tree (nested dicts / lists as Orbax stores it) with `np.ndarray` leaves of
+    the saved shapes and dtypes; nothing is placed on a device.
+
+    Raises:
+      ValueError: naming `item_dir` when it holds no Orbax item.
+    """
+    directory = files.as_path(item_dir)
+    handler = ocp.StandardCheckpointHandler()
+    try:
+        if not (directory / "_METADATA").exists():
+            raise ValueError(f"{item_dir} is not an Orbax checkpoint item (no _METADATA)")
+        tree = handler.metadata(directory).tree
+        # numpy leaves make Orbax restore with `RestoreArgs(restore_type=np.ndarray)`: each
+        # array is read whole onto the host and the saved sharding is never rebuilt (abstract
+        # ShapeDtypeStructs without a sharding would fall back to the saved one and fail on
+        # another topology). np.empty only reserves memory; Orbax returns new arrays.
+        target = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), tree)
+        return handler.restore(directory, args=ocp.args.StandardRestore(target))
+    finally:
+        handler.close()
+
+
+def write_item_numpy(item_dir: str | epath.Path, tree: PyTree) -> None:
+    """Writes a StandardSave item of host arrays (a model dir's `params/`), replacing one that
+    is there. A single-process helper: a multi-host run saves through its `Checkpointer`."""
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(files.as_path(item_dir), tree, force=True)
+        checkpointer.wait_until_finished()
+
+
+def read_json_item(item_dir: str | epath.Path) -> Any:
+    """A JsonSave item (`.../<step>/meta` or `data`)."""
+    directory = files.as_path(item_dir)
+    if not directory.is_dir():
+        raise ValueError(f"{item_dir} does not exist (no JSON checkpoint item there)")
+    handler = ocp.JsonCheckpointHandler()
+    try:
+        return handler.restore(directory, args=ocp.args.JsonRestore())
+    finally:
+        handler.close()
+
+
+def is_step_dir(path: str | epath.Path) -> bool:
+    """Whether `path` holds the `params` and `meta` items of one training step."""
+    directory = files.as_path(path)
+    return all((directory / item).is_dir() for item in ("params", "meta"))
+
+
+def latest_step_dir(workdir: str) -> str:
+    """WORKDIR/checkpoints/<latest committed step>.
+
+    Raises:
+      ValueError: naming the directory when it holds no committed checkpoint.
+    """
+    step = latest_committed_step(workdir)
+    if step is None:
+        raise ValueError(
+            f"{checkpoint_dir(workdir)} holds no finished checkpoint (a run saves its first "
+            "one at checkpoint_every_steps); pass a workdir or step dir that has one"
+        )
+    return str(files.as_path(checkpoint_dir(workdir)) / str(step))
+
+
+def read_step_dir(step_dir: str | epath.Path) -> tuple[dict[str, Any], PyTree]:
+    """(meta, params) of one committed step dir, params as host numpy: the inner params tree
+    (what goes under `{"params": ...}`) whichever of the two conventions it was saved in.
+
+    Raises:
+      ValueError: naming `step_dir` when it is not a committed step of a training run.
+    """
+    directory = files.as_path(step_dir)
+    if not is_step_dir(directory):
+        raise ValueError(f"{step_dir} is not a training step dir (needs params/ and meta/)")
+    if not ocp.step.is_path_finalized(directory):
+        raise ValueError(f"{step_dir} is an unfinished save; pass a committed step")
+    meta = read_json_item(directory / "meta")
+    if not isinstance(meta, dict):
+        raise ValueError(f"{step_dir}/meta: expected a JSON object, got {type(meta).__name__}")
+    return meta, _read_params(directory)
+
+
+def _read_params(step_dir: epath.Path) -> PyTree:
+    """The `params` item of a step dir as the inner tree: loops save that, but a params item
+    holding the whole variables tree `{"params": {...}}` is read alike."""
+    params = read_item_numpy(step_dir / "params")
+    if isinstance(params, dict) and set(params) == {"params"}:
+        params = params["params"]
+    return params
+
+
+def task_head_weights(path: str) -> dict[str, np.ndarray]:
+    """The weights outside the pretraining model (`PRETRAINING_PARTS`) in a training workdir
+    (latest committed step) or step dir: another fine-tuning run's task head, as flat
+    {"a/b/c": host array}. Empty for anything else (a model dir, an HF or TF1 dir, a workdir
+    without a committed checkpoint), whose heads are initialized instead."""
+    if (files.as_path(path) / CHECKPOINTS_DIR).is_dir():
+        step = latest_committed_step(path)
+        if step is None:
+            return {}
+        step_dir = files.as_path(checkpoint_dir(path)) / str(step)
+    elif is_step_dir(path):
+        step_dir = files.as_path(path)
+    else:
+        return {}
+    params = _read_params(step_dir)
+    heads = tuple(part + "/" for part in PRETRAINING_PARTS)
+    return {k: v for k, v in trees.flatten(params).items() if not k.startswith(heads)}
 
 
 # ---------------------------------------------------------------------------------- SIGTERM

@@ -6,11 +6,11 @@ Field names follow the official `albert_config.json`, so a released config reads
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Any
 
 import jax.numpy as jnp
+
+from albert_jax import files
 
 SHARING_STRATEGIES = ("all", "attention", "ffn", "none")
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish", "tanh")
@@ -194,10 +194,9 @@ class ModelConfig:
         Official TF configs say `"gelu"` but TF's `gelu` is the tanh approximation, so it is read
         as `gelu_new`; HF configs are taken literally (their `gelu` is the exact erf form).
         Keys that the official code ignores (`down_scale_factor`, `net_structure_type`, ...) are
-        dropped.
+        dropped. `path` may be local or remote (`gs://`); a missing file raises ValueError.
         """
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
+        raw = files.read_json(path)
         is_hf = "model_type" in raw or "architectures" in raw
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in raw.items() if k in names}
@@ -236,9 +235,8 @@ class ModelConfig:
 
 
 def save_json(config: ModelConfig, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(config.to_dict(), f, indent=2, sort_keys=True)
+    """Writes `config.to_dict()` as JSON to `path` (local or remote; atomically)."""
+    files.write_json(path, config.to_dict(), indent=2)
 
 
 def model_config_from(config: Any) -> ModelConfig:

@@ -1,20 +1,20 @@
-"""`load_pretrained(path)`: an ALBERT model + weights (+ tokenizer) from any supported layout.
+"""`load_pretrained(path)`: an ALBERT model + weights (+ tokenizer) from any supported layout,
+local or on an object store (`gs://`): every file is read through `albert_jax.files` / epath,
+checkpoints through `albert_jax.checkpointing`.
 
 Layouts (detected in this order; `detect_layout` names them):
 
 * **model dir** (written by `save_model_dir` and `python -m albert_jax.convert --dst`):
     DIR/model_config.json    `ModelConfig.to_dict()`
-    DIR/params/              Orbax `StandardCheckpointer` checkpoint of `{"params": {...}}`
+    DIR/params/              Orbax StandardSave of `{"params": {...}}` (numpy)
     DIR/tokenizer.model      sentencepiece model (optional)
-* **training workdir** (the pretraining / fine-tuning loop writes it):
-    WORKDIR/checkpoints/           an `ocp.CheckpointManager` directory
-    WORKDIR/checkpoints/<step>/    items: `params` (StandardSave of the plain params tree,
-                                   `{"params": {...}}` or its inner dict), `opt_state`,
-                                   `data` (JsonSave, input-pipeline state), `meta` (JsonSave,
-                                   `checkpoint_meta(config, step)`: at least `model_config` and
-                                   `step`)
+* **training workdir** (the training loop writes it; layout in `albert_jax.checkpointing`):
+    WORKDIR/checkpoints/<step>/    items `params`, `opt_state`, `data`, `meta` (JsonSave,
+                                   `checkpoint_meta(config, step)`: at least `model_config`
+                                   and `step`)
     WORKDIR/tokenizer.model        optional
-  `path` may be the workdir (latest step is loaded) or one step dir.
+  `path` may be the workdir (latest committed step is loaded) or one step dir; a step dir's
+  tokenizer is its workdir's (two levels up).
 * **HF dir**: `config.json` + `model.safetensors` (or sharded / `pytorch_model.bin`), optional
   `spiece.model`.
 * **official TF1 dir**: `albert_config.json` + `model.ckpt-*` (+ `30k-clean.model`), or a bare
@@ -27,18 +27,27 @@ from `seed` and listed in `Pretrained.initialized`.
 from __future__ import annotations
 
 import dataclasses
-import glob
-import json
 import logging
-import os
-import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+import flax.linen as nn
+import jax
 import numpy as np
 
-from albert_jax import convert
+from albert_jax import checkpointing, files
+from albert_jax.checkpointing import CHECKPOINTS_DIR, TOKENIZER_FILE, checkpoint_meta
 from albert_jax.config import ModelConfig, save_json
+from albert_jax.hf_checkpoint import HF_WEIGHT_FILES, load_hf_checkpoint
+from albert_jax.model import AlbertForPreTraining, init_params
+from albert_jax.tf1_checkpoint import find_tf_checkpoint, tf_checkpoint_to_params
+from albert_jax.weight_names import (
+    OPTIONAL_PARTS,
+    flatten_params,
+    format_problems,
+    to_numpy,
+    unflatten_params,
+)
 
 __all__ = [
     "Pretrained",
@@ -46,6 +55,9 @@ __all__ = [
     "save_model_dir",
     "checkpoint_meta",
     "detect_layout",
+    "load_tf_checkpoint",
+    "load_tf_dir",
+    "find_spm_model",
     "MODEL_CONFIG_FILE",
     "PARAMS_DIR",
     "TOKENIZER_FILE",
@@ -57,10 +69,8 @@ log = logging.getLogger(__name__)
 
 MODEL_CONFIG_FILE = "model_config.json"
 PARAMS_DIR = "params"
-TOKENIZER_FILE = "tokenizer.model"
-CHECKPOINTS_DIR = "checkpoints"
 # Items of one training step dir; `params` and `meta` are what `load_pretrained` reads.
-TRAINING_ITEMS = ("params", "opt_state", "data", "meta")
+TRAINING_ITEMS = checkpointing.ITEMS
 
 
 @dataclasses.dataclass
@@ -71,7 +81,7 @@ class Pretrained:
     `{"params": {...}}`, of uncommitted jax arrays on the default device (reshard them with
     `jax.device_put(params, shardings)` for multi-device use).
     `source` is "albert_jax", "hf" or "tf"; `initialized` lists the parts (see
-    `convert.OPTIONAL_PARTS`) that the checkpoint lacked and were freshly initialized.
+    `weight_names.OPTIONAL_PARTS`) that the checkpoint lacked and were freshly initialized.
     """
 
     model: Any  # albert_jax.model.AlbertForPreTraining
@@ -85,126 +95,128 @@ class Pretrained:
     tokenizer_path: str | None = None
 
 
-def checkpoint_meta(config: ModelConfig, step: int, **extra: Any) -> dict[str, Any]:
-    """The `meta` item of a training checkpoint: `{"model_config", "step", **extra}`."""
-    return {"model_config": config.to_dict(), "step": int(step), **extra}
-
-
 def save_model_dir(
     directory: str,
     params: Mapping[str, Any],
     config: ModelConfig,
     tokenizer_path: str | None = None,
 ) -> None:
-    """Writes a model dir (see the module docstring); an existing `params/` is replaced.
+    """Writes a model dir (see the module docstring), local or remote; an existing `params/` is
+    replaced.
 
     Params are stored as numpy arrays (no device layout), so any topology can restore them.
-    This is a single-process helper; a multi-host run saves through its CheckpointManager.
+    This is a single-process helper; a multi-host run saves through its Checkpointer.
     """
-    import orbax.checkpoint as ocp
-
-    directory = os.path.abspath(directory)
-    os.makedirs(directory, exist_ok=True)
-    tree = convert.unflatten_params(
-        {k: convert._to_numpy(v) for k, v in convert.flatten_params(params).items()}
-    )
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(os.path.join(directory, PARAMS_DIR), tree, force=True)
-    checkpointer.wait_until_finished()
-    checkpointer.close()
-    save_json(config, os.path.join(directory, MODEL_CONFIG_FILE))
+    root = files.as_path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    tree = unflatten_params({k: to_numpy(v) for k, v in flatten_params(params).items()})
+    checkpointing.write_item_numpy(root / PARAMS_DIR, tree)
+    save_json(config, str(root / MODEL_CONFIG_FILE))
     if tokenizer_path:
-        target = os.path.join(directory, TOKENIZER_FILE)
-        if os.path.abspath(tokenizer_path) != target:
-            shutil.copyfile(tokenizer_path, target)
+        files.copy(tokenizer_path, root / TOKENIZER_FILE)
 
 
 # ------------------------------------------------------------------------------- detection
-def _is_step_dir(path: str) -> bool:
-    return all(os.path.isdir(os.path.join(path, item)) for item in ("params", "meta"))
-
-
 def detect_layout(path: str) -> str:
     """Names the layout of `path`: model_dir, workdir, step_dir, hf, tf or tf_prefix.
 
-    Raises ValueError, listing what was looked for, when it is none of them.
+    Raises ValueError naming `path`, listing what was looked for, when it is none of them (or
+    does not exist).
     """
-    if os.path.isfile(path + ".index"):
+    if files.as_path(f"{path}.index").is_file():
         return "tf_prefix"
-    if not os.path.isdir(path):
-        raise ValueError(f"load_pretrained: {path!r} does not exist")
-    has = lambda *names: all(os.path.exists(os.path.join(path, n)) for n in names)
+    root = files.as_path(path)
+    if not root.is_dir():
+        raise ValueError(
+            f"load_pretrained: {path!r} does not exist; pass a model dir, a training workdir or "
+            "step dir, an HF dir or an official TF1 dir"
+        )
+    has = lambda *names: all((root / n).exists() for n in names)
     if has(MODEL_CONFIG_FILE, PARAMS_DIR):
         return "model_dir"
-    if os.path.isdir(os.path.join(path, CHECKPOINTS_DIR)):
+    if (root / CHECKPOINTS_DIR).is_dir():
         return "workdir"
-    if _is_step_dir(path):
+    if checkpointing.is_step_dir(root):
         return "step_dir"
-    if has("config.json") and any(has(w) for w in convert._HF_WEIGHT_FILES):
+    if has("config.json") and any(has(w) for w in HF_WEIGHT_FILES):
         return "hf"
-    if has("albert_config.json") and glob.glob(os.path.join(path, "*.index")):
+    if has("albert_config.json") and any(root.glob("*.index")):
         return "tf"
     raise ValueError(
         f"load_pretrained: {path!r} is not a known checkpoint layout. Looked for: an albert_jax "
         f"model dir ({MODEL_CONFIG_FILE} + {PARAMS_DIR}/), a training workdir "
         f"({CHECKPOINTS_DIR}/<step>/), a step dir (params/ + meta/), an HF dir (config.json + "
-        f"one of {', '.join(convert._HF_WEIGHT_FILES)}), an official TF1 dir "
+        f"one of {', '.join(HF_WEIGHT_FILES)}), an official TF1 dir "
         "(albert_config.json + model.ckpt-*.index) or a TF checkpoint prefix (PREFIX.index). "
-        f"Found: {sorted(os.listdir(path))[:20]}"
+        f"Found: {sorted(p.name for p in root.iterdir())[:20]}"
     )
 
 
 # --------------------------------------------------------------------------------- readers
-def _restore_numpy(directory: str) -> dict[str, Any]:
-    """Restores a StandardCheckpointer tree as numpy, whatever device layout it was saved with."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    checkpointer = ocp.StandardCheckpointer()
-    tree = checkpointer.metadata(directory).item_metadata.tree
-    # numpy targets make Orbax read host arrays: no sharding or topology needs to match.
-    target = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), tree)
-    restored = checkpointer.restore(directory, target)
-    checkpointer.close()
-    return restored
+def find_spm_model(directory: str, preferred: Iterable[str]) -> str | None:
+    """`directory/<preferred name>`, else the only `*.model` file there, else None."""
+    root = files.as_path(directory)
+    for name in preferred:
+        if (root / name).is_file():
+            return str(root / name)
+    candidates = sorted(str(p) for p in root.glob("*.model"))
+    if len(candidates) > 1:
+        log.warning("%s: several sentencepiece models %s; using none", directory, candidates)
+    return candidates[0] if len(candidates) == 1 else None
 
 
-def _read_json_item(directory: str) -> Any:
-    import orbax.checkpoint as ocp
+def load_tf_checkpoint(
+    src: str, config_path: str | None = None
+) -> tuple[ModelConfig, dict[str, Any], str | None]:
+    """An official TF1 release dir (`albert_config.json`, `model.ckpt-*`, `30k-clean.model`) or
+    a bare checkpoint prefix, local or remote -> (ModelConfig, `{"params": ...}`, sentencepiece
+    model path or None). The config is `config_path`, else the `albert_config.json` in the dir
+    or next to the prefix.
 
-    with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
-        return checkpointer.restore(directory)
+    Raises:
+      ValueError: naming `src` when it is neither a dir nor a prefix, or has no config.
+    """
+    root = files.as_path(src)
+    if root.is_dir():
+        directory, prefix = root, None
+    elif files.as_path(f"{src}.index").is_file():
+        directory, prefix = root.parent, src
+    else:
+        raise ValueError(
+            f"official TF1 checkpoint: {src} does not exist (neither a dir nor a checkpoint "
+            f"prefix with {src}.index)"
+        )
+    config_path = config_path or str(directory / "albert_config.json")
+    if not files.as_path(config_path).is_file():
+        raise ValueError(
+            f"official TF1 checkpoint {src}: no {config_path}; pass its albert_config.json"
+        )
+    config = ModelConfig.from_json(config_path)
+    params = tf_checkpoint_to_params(prefix or find_tf_checkpoint(src), config)
+    return config, params, find_spm_model(str(directory), ("30k-clean.model",))
 
 
-def _latest_step_dir(workdir: str) -> str:
-    import orbax.checkpoint as ocp
-
-    ckpt_dir = os.path.join(os.path.abspath(workdir), CHECKPOINTS_DIR)
-    with ocp.CheckpointManager(ckpt_dir) as manager:
-        step = manager.latest_step()
-    if step is None:
-        raise ValueError(f"load_pretrained: {ckpt_dir} holds no finished checkpoint")
-    return os.path.join(ckpt_dir, str(step))
+load_tf_dir = load_tf_checkpoint  # the name `convert` has always exported
 
 
 def _load_step_dir(step_dir: str) -> tuple[ModelConfig, dict[str, Any], int, str | None]:
-    meta = _read_json_item(os.path.join(step_dir, "meta"))
-    if not isinstance(meta, dict) or "model_config" not in meta:
+    meta, params = checkpointing.read_step_dir(step_dir)
+    if "model_config" not in meta:
         raise ValueError(f"{step_dir}/meta: needs a 'model_config' entry (see checkpoint_meta)")
     config = ModelConfig.from_dict(meta["model_config"])
-    params = _restore_numpy(os.path.join(step_dir, "params"))
-    workdir = os.path.dirname(os.path.dirname(os.path.abspath(step_dir)))
-    tokenizer = os.path.join(workdir, TOKENIZER_FILE)
-    step = int(meta.get("step", os.path.basename(os.path.normpath(step_dir))))
-    return config, params, step, tokenizer if os.path.isfile(tokenizer) else None
+    step_path = files.as_path(step_dir)
+    # WORKDIR/checkpoints/<step> -> WORKDIR, where the run keeps its tokenizer.
+    tokenizer = step_path.parent.parent / TOKENIZER_FILE
+    step = int(meta.get("step", step_path.name))
+    return config, {"params": params}, step, str(tokenizer) if tokenizer.is_file() else None
 
 
 def _load_model_dir(directory: str) -> tuple[ModelConfig, dict[str, Any], str | None]:
-    with open(os.path.join(directory, MODEL_CONFIG_FILE), encoding="utf-8") as f:
-        config = ModelConfig.from_dict(json.load(f))
-    params = _restore_numpy(os.path.join(directory, PARAMS_DIR))
-    tokenizer = os.path.join(directory, TOKENIZER_FILE)
-    return config, params, tokenizer if os.path.isfile(tokenizer) else None
+    root = files.as_path(directory)
+    config = ModelConfig.from_dict(files.read_json(root / MODEL_CONFIG_FILE))
+    params = checkpointing.read_item_numpy(root / PARAMS_DIR)
+    tokenizer = root / TOKENIZER_FILE
+    return config, params, str(tokenizer) if tokenizer.is_file() else None
 
 
 def _load_tokenizer(path: str | None) -> Any | None:
@@ -215,7 +227,8 @@ def _load_tokenizer(path: str | None) -> Any | None:
     except ImportError as e:  # the data package may be unavailable in a minimal install
         log.warning("sentencepiece model %s found but no Tokenizer class (%s)", path, e)
         return None
-    return Tokenizer(path)
+    # The model's bytes through epath: the path may be remote.
+    return Tokenizer(model_proto=files.as_path(path).read_bytes())
 
 
 # ------------------------------------------------------------------------------ completion
@@ -226,19 +239,14 @@ def _complete(
 
     Raises one ValueError listing every missing (required) or mis-shaped parameter.
     """
-    import flax.linen as nn
-    import jax
-
-    from albert_jax.model import AlbertForPreTraining, init_params
-
     model = AlbertForPreTraining(config)
     seq_len = min(8, config.max_position_embeddings)
     init = lambda rng: nn.meta.unbox(init_params(model, rng, seq_len=seq_len))
-    expected = convert.flatten_params(jax.eval_shape(init, jax.random.key(seed)))
-    flat = convert.flatten_params(params)
+    expected = flatten_params(jax.eval_shape(init, jax.random.key(seed)))
+    flat = flatten_params(params)
     absent = [
         part
-        for part in convert.OPTIONAL_PARTS
+        for part in OPTIONAL_PARTS
         if not any(k.startswith(part + "/") for k in flat)
         and any(k.startswith(part + "/") for k in expected)
     ]
@@ -250,9 +258,7 @@ def _complete(
         if k in flat and tuple(flat[k].shape) != tuple(expected[k].shape)
     ]
     if missing or mismatched:
-        raise ValueError(
-            convert._format_problems(f"{source} vs its ModelConfig", missing, mismatched)
-        )
+        raise ValueError(format_problems(f"{source} vs its ModelConfig", missing, mismatched))
     extra = sorted(set(flat) - set(expected))
     if extra:
         log.warning("%s: %d parameter(s) not used by the model: %s", source, len(extra), extra)
@@ -263,7 +269,7 @@ def _complete(
             if in_absent(k):
                 out[k] = _initial_value(k, expected[k].shape, expected[k].dtype, config, rng)
         log.warning("%s: no %s in the checkpoint; initialized them (seed %d)", source, absent, seed)
-    return convert.unflatten_params(out), tuple(absent)
+    return unflatten_params(out), tuple(absent)
 
 
 def _initial_value(
@@ -296,11 +302,16 @@ def load_pretrained(
     param_dtype: str | None = None,
     seed: int = 0,
 ) -> Pretrained:
-    """Loads an albert_jax model dir / workdir / step dir, an HF dir or an official TF1 dir.
+    """Loads an albert_jax model dir / workdir / step dir, an HF dir or an official TF1 dir,
+    local or remote.
 
     `dtype` overrides the compute dtype (`ModelConfig.dtype`, e.g. "bfloat16"); `param_dtype`
     casts the weights (default: as stored; HF / TF weights are read as float32). `seed`
     initializes parts the checkpoint lacks.
+
+    Raises:
+      ValueError: naming `path` when it does not exist or is no known layout, or listing every
+        missing or mis-shaped parameter.
     """
     layout = detect_layout(path)
     step = None
@@ -308,41 +319,24 @@ def load_pretrained(
         config, params, tokenizer_path = _load_model_dir(path)
         source = "albert_jax"
     elif layout in ("workdir", "step_dir"):
-        step_dir = _latest_step_dir(path) if layout == "workdir" else path
+        step_dir = checkpointing.latest_step_dir(path) if layout == "workdir" else path
         config, params, step, tokenizer_path = _load_step_dir(step_dir)
         source = "albert_jax"
     elif layout == "hf":
-        config, params = convert.load_hf_checkpoint(path)
-        tokenizer_path = convert.find_spm_model(path, ("spiece.model", TOKENIZER_FILE))
+        config, params = load_hf_checkpoint(path)
+        tokenizer_path = find_spm_model(path, ("spiece.model", TOKENIZER_FILE))
         source = "hf"
-    elif layout == "tf":
-        config, params, tokenizer_path = convert.load_tf_dir(path)
-        source = "tf"
-    else:  # tf_prefix
-        config_path = os.path.join(os.path.dirname(os.path.abspath(path)), "albert_config.json")
-        if not os.path.exists(config_path):
-            raise ValueError(
-                f"load_pretrained: TF checkpoint {path} has no albert_config.json next to it"
-            )
-        config = ModelConfig.from_json(config_path)
-        params = convert.tf_checkpoint_to_params(path, config)
-        tokenizer_path = convert.find_spm_model(
-            os.path.dirname(os.path.abspath(path)), ("30k-clean.model",)
-        )
+    else:  # an official TF1 dir or checkpoint prefix
+        config, params, tokenizer_path = load_tf_checkpoint(path)
         source = "tf"
     params, initialized = _complete(params, config, seed, f"{source} checkpoint {path}")
     if param_dtype is not None:
         config = config.replace(param_dtype=param_dtype)  # validates the name
-        flat = convert.flatten_params(params)
+        flat = flatten_params(params)
         cast = config.weight_dtype
-        params = convert.unflatten_params({k: v.astype(cast) for k, v in flat.items()})
+        params = unflatten_params({k: v.astype(cast) for k, v in flat.items()})
     if dtype is not None:
         config = config.replace(dtype=dtype)
-
-    import jax
-
-    from albert_jax.model import AlbertForPreTraining
-
     return Pretrained(
         model=AlbertForPreTraining(config),
         params=jax.device_put(params),

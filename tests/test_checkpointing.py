@@ -1,6 +1,7 @@
 """Orbax checkpoint wrapper: sharded restore, policies, resume order, SIGKILL mid-save, SIGTERM."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -206,3 +207,39 @@ def test_layout_is_what_load_pretrained_reads(tmp_path):
     loaded_flat = dict(jax.tree.leaves_with_path(loaded.params["params"]))
     for path, value in flat:
         np.testing.assert_array_equal(np.asarray(loaded_flat[path]), np.asarray(value))
+
+
+def test_readers_and_task_head_weights(tmp_path):
+    """The readers that load_pretrained and fine-tuning inits use, and their errors."""
+    workdir = str(tmp_path / "run")
+    saved = {
+        s: {"albert": _tree(s), "classifier": {"kernel": _tree(s)["bias"][:4]}} for s in (3, 5)
+    }
+    with checkpointing.Checkpointer(workdir) as ckpt:
+        for step, params in saved.items():
+            _save_simple(ckpt, step, params)
+    step_dir = checkpointing.latest_step_dir(workdir)
+    assert step_dir == os.path.join(checkpointing.checkpoint_dir(workdir), "5")
+    meta, params = checkpointing.read_step_dir(step_dir)
+    assert meta == {"model_config": {}, "step": 5}
+    np.testing.assert_array_equal(
+        params["albert"]["dense"]["kernel"], saved[5]["albert"]["dense"]["kernel"]
+    )
+    # Task heads only (not the pretraining model), from the latest step or a given one.
+    for path, step in ((workdir, 5), (os.path.join(checkpointing.checkpoint_dir(workdir), "3"), 3)):
+        heads = checkpointing.task_head_weights(path)
+        assert list(heads) == ["classifier/kernel"]
+        np.testing.assert_array_equal(
+            heads["classifier/kernel"], saved[step]["classifier"]["kernel"]
+        )
+    assert checkpointing.task_head_weights(str(tmp_path)) == {}  # not a checkpoint
+
+    missing = str(tmp_path / "missing")
+    with pytest.raises(ValueError, match=re.escape(missing) + " is not a training step dir"):
+        checkpointing.read_step_dir(missing)
+    with pytest.raises(ValueError, match=re.escape(missing) + " is not an Orbax checkpoint item"):
+        checkpointing.read_item_numpy(missing)
+    with pytest.raises(ValueError, match=re.escape(missing) + " does not exist"):
+        checkpointing.read_json_item(missing)
+    with pytest.raises(ValueError, match=re.escape(f"{missing}/checkpoints holds no finished")):
+        checkpointing.latest_step_dir(missing)
