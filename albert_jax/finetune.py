@@ -46,7 +46,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import logging
@@ -59,6 +58,7 @@ from albert_jax.convert import unflatten_params
 from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, create_mesh
 from albert_jax.tasks import registry
 from albert_jax.tasks.batching import Features, eval_batches, train_batch
+from albert_jax.tasks.kinds import TaskKind, get_kind
 from albert_jax.tasks.local import ReadStats
 from albert_jax.tasks.registry import TaskSpec
 from albert_jax.train_config import mesh_layout
@@ -184,82 +184,14 @@ def _model_config(
 
 
 def build_model(spec: TaskSpec, model_config: ModelConfig, config: Any) -> nn.Module:
-    """The task model of `spec` (heads.py) with the config's head settings."""
-    if spec.kind in ("classification", "regression"):
-        return heads.AlbertForSequenceClassification(
-            model_config, spec.num_labels, config.classifier_dropout
-        )
-    if spec.kind == "multiple_choice":
-        return heads.AlbertForMultipleChoice(model_config, config.classifier_dropout)
-    if spec.kind == "span_v1":
-        return heads.AlbertForQuestionAnswering(model_config)
-    return heads.AlbertForQuestionAnsweringV2(
-        model_config, config.start_n_top, config.end_n_top, config.classifier_dropout
-    )
-
-
-def _apply(
-    spec: TaskSpec,
-    model: nn.Module,
-    params: PyTree,
-    batch: Mapping[str, jax.Array],
-    *,
-    train: bool,
-    rng: jax.Array | None = None,
-) -> dict[str, jax.Array]:
-    """Runs the task model on a batch; always returns a dict of outputs."""
-    inputs = (batch["input_ids"], batch["segment_ids"], batch["input_mask"])
-    kwargs: dict[str, Any] = {"deterministic": not train}
-    if train:
-        kwargs["rngs"] = {"dropout": rng}
-    variables = {"params": params}
-    if spec.kind == "multiple_choice":
-        logits = model.apply(variables, *inputs, option_mask=batch["option_mask"], **kwargs)
-        return {"logits": logits}
-    if spec.kind == "span_v2":
-        starts = batch["start_positions"] if train else None
-        return model.apply(
-            variables, *inputs, p_mask=batch["p_mask"], start_positions=starts, **kwargs
-        )
-    out = model.apply(variables, *inputs, **kwargs)
-    return out if isinstance(out, dict) else {"logits": out}
-
-
-def _loss(
-    spec: TaskSpec, outputs: Mapping[str, jax.Array], batch: Mapping[str, jax.Array]
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(loss, metrics) of the training outputs of a batch."""
-    weights = batch.get("example_weight")
-    if spec.kind == "regression":
-        loss = heads.regression_loss(outputs["logits"], batch["label"], weights)
-        return loss, {"loss": loss}
-    if spec.kind in ("classification", "multiple_choice"):
-        loss = heads.classification_loss(outputs["logits"], batch["label"], weights)
-        correct = jnp.argmax(outputs["logits"], -1) == batch["label"]
-        return loss, {"loss": loss, "accuracy": jnp.mean(correct.astype(jnp.float32))}
-    positions = (batch["start_positions"], batch["end_positions"])
-    if spec.kind == "span_v1":
-        loss = heads.span_loss(outputs["start_logits"], outputs["end_logits"], *positions, weights)
-        return loss, {"loss": loss}
-    loss = heads.squad_v2_loss(outputs, *positions, batch["is_impossible"], weights)
-    return loss, {"loss": loss}
-
-
-# Which feature arrays go to the devices (the rest, e.g. SQuAD offsets, stay on the host).
-_MODEL_INPUTS = {
-    "classification": ("input_ids", "segment_ids", "input_mask", "label"),
-    "regression": ("input_ids", "segment_ids", "input_mask", "label"),
-    "multiple_choice": ("input_ids", "segment_ids", "input_mask", "option_mask", "label"),
-    "span_v1": ("input_ids", "segment_ids", "input_mask", "start_positions", "end_positions"),
-    "span_v2": (
-        "input_ids", "segment_ids", "input_mask", "p_mask", "start_positions", "end_positions",
-        "is_impossible",
-    ),
-}  # fmt: skip
+    """The task model of `spec` (its kind's head, heads.py) with the config's head settings."""
+    return get_kind(spec.kind).build_model(model_config, spec, config)
 
 
 def _dummy_batch(spec: TaskSpec, features: Features, rows: int) -> dict[str, np.ndarray]:
-    return {k: features.arrays[k][:1].repeat(rows, 0) for k in _MODEL_INPUTS[spec.kind]}
+    """{name: [rows, ...]} copies of the first feature's model inputs: the shapes of a batch."""
+    arrays = features.arrays
+    return {k: arrays[k][:1].repeat(rows, 0) for k in get_kind(spec.kind).model_inputs}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -488,6 +420,11 @@ class _FineTuner:
     def _features_for_init(self) -> Features:
         return self.train_features if len(self.train_features) else self.eval_features[0]
 
+    @property
+    def kind(self) -> TaskKind:
+        """The task's kind (tasks/kinds.py): head, model inputs, loss, scoring, outputs."""
+        return get_kind(self.spec.kind)
+
     # --------------------------------------------------------------------------- data state
     def data_state(self, step: int) -> dict[str, Any]:
         """What decides the training batches after `step`, saved in every checkpoint.
@@ -610,13 +547,12 @@ class _FineTuner:
 
     # -------------------------------------------------------------------------- step / eval
     def compile(self, shardings: TrainState) -> None:
-        spec, model, tx = self.spec, self.model, self.tx
+        kind, model, tx = self.kind, self.model, self.tx
         dropout_key = jax.random.key(self.config.seed + 1)
 
         def loss_fn(params: PyTree, batch: dict[str, jax.Array], rng: jax.Array):
-            outputs = _apply(spec, model, params, batch, train=True, rng=rng)
-            loss, metrics = _loss(spec, outputs, batch)
-            return loss, metrics
+            outputs = kind.apply(model, params, batch, train=True, rng=rng)
+            return kind.loss(outputs, batch)
 
         def train_step(state: TrainState, batch: dict[str, jax.Array]):
             rng = jax.random.fold_in(dropout_key, state.step)
@@ -632,7 +568,7 @@ class _FineTuner:
             return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
         def predict(params: PyTree, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-            return _apply(spec, model, params, batch, train=False)
+            return kind.apply(model, params, batch, train=False)
 
         self.train_step = jax.jit(
             train_step,
@@ -647,8 +583,7 @@ class _FineTuner:
         )
 
     def _train_batches(self, start_step: int) -> Iterator[dict[str, jax.Array]]:
-        keys = _MODEL_INPUTS[self.spec.kind]
-        arrays = {k: self.train_features.arrays[k] for k in keys}
+        arrays = {k: self.train_features.arrays[k] for k in self.kind.model_inputs}
         for step in range(start_step, self.total_steps):
             batch = train_batch(arrays, step, self.config.batch_size, self.config.seed)
             yield _put(batch, self.batch_sharding)
@@ -658,7 +593,7 @@ class _FineTuner:
         predictions of each set."""
         results: dict[str, Any] = {}
         all_predictions = []
-        keys = [k for k in _MODEL_INPUTS[self.spec.kind] if k not in ("label",)]
+        keys = self.kind.predict_inputs  # labels stay on the host
         for eval_set, features in zip(self.eval_sets, self.eval_features, strict=True):
             if not len(features):
                 raise ValueError(f"eval set {eval_set.name!r} has no examples")
@@ -670,8 +605,8 @@ class _FineTuner:
                 for k, v in out.items():
                     gathered.setdefault(k, []).append(np.asarray(v)[real])
             outputs = {k: np.concatenate(v) for k, v in gathered.items()}
-            metrics, predictions = registry.score(
-                self.config.task, eval_set, features, outputs, self.config
+            metrics, predictions = self.kind.score(
+                eval_set, features, outputs, self.config, self.spec
             )
             prefix = f"{eval_set.name}/" if len(self.eval_sets) > 1 else ""
             results.update({prefix + k: v for k, v in metrics.items()})
@@ -681,24 +616,12 @@ class _FineTuner:
 
     # ----------------------------------------------------------------------------- outputs
     def write_predictions(self, predictions: list[Any]) -> list[str]:
+        """Each eval set's prediction files (the kind's; suffixed _<k> when there are several);
+        returns the paths written."""
         written = []
         for k, (eval_set, preds) in enumerate(zip(self.eval_sets, predictions, strict=True)):
             suffix = f"_{k}" if len(self.eval_sets) > 1 else ""
-            if self.spec.kind in ("span_v1", "span_v2"):
-                files = {
-                    f"predictions{suffix}.json": preds.answers,
-                    f"nbest_predictions{suffix}.json": preds.nbest_json(),
-                }
-                if preds.na_probs is not None:
-                    files[f"na_probs{suffix}.json"] = preds.na_probs
-                for name, content in files.items():
-                    written.append(_write_json(os.path.join(self.workdir, name), content))
-            else:
-                path = os.path.join(self.workdir, f"predictions{suffix}.jsonl")
-                with open(path, "w", encoding="utf-8") as f:
-                    for record in preds:
-                        f.write(json.dumps({**record, "eval_set": eval_set.name}) + "\n")
-                written.append(path)
+            written += self.kind.write_predictions(self.workdir, suffix, eval_set, preds)
         return written
 
     def data_report(self) -> dict[str, Any]:
@@ -733,12 +656,7 @@ def _init_variables(
     spec: TaskSpec, model: nn.Module, rng: jax.Array, batch: Mapping[str, np.ndarray]
 ) -> PyTree:
     """Variables of the task model, initialized on a dummy batch of the real shapes."""
-    inputs = (batch["input_ids"], batch["segment_ids"], batch["input_mask"])
-    if spec.kind == "multiple_choice":
-        return model.init(rng, *inputs, option_mask=batch["option_mask"])
-    if spec.kind == "span_v2":
-        return model.init(rng, *inputs, p_mask=batch["p_mask"])
-    return model.init(rng, *inputs)
+    return get_kind(spec.kind).init_variables(model, rng, batch)
 
 
 def _write_json(path: str, content: Any) -> str:
