@@ -1,0 +1,138 @@
+"""Fine-tuning config checks and what they derive: every field known, every value sane, before
+anything is read or compiled; the task model's config and the optimizer's settings.
+
+A bad config raises a ValueError naming the field (`config.batch_size=...`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from albert_jax.config import ModelConfig
+from albert_jax.tasks import registry
+from albert_jax.tasks.registry import TaskSpec
+
+# ModelConfig fields a fine-tuning config may change on a pretrained model; the others define
+# the architecture and come from the checkpoint.
+RUNTIME_MODEL_FIELDS = (
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "dtype",
+    "param_dtype",
+    "remat_policy",
+    "scan_layers",
+)
+
+
+# Every field the loop reads; anything else in a config is a typo (see `validate_config`).
+KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
+    "": (
+        "task", "init", "size", "model", "classifier_dropout", "data", "max_seq_length",
+        "max_qa_length", "max_query_length", "doc_stride", "max_answer_length", "n_best_size",
+        "start_n_top", "end_n_top", "null_threshold", "optimizer", "learning_rate", "batch_size",
+        "eval_batch_size", "num_train_steps", "num_train_epochs", "warmup_steps",
+        "warmup_fraction", "lr_poly_power", "weight_decay", "grad_clip_norm", "b1", "b2", "eps",
+        "mesh", "seed", "log_every_steps", "eval_every_steps", "checkpoint_every_steps",
+        "keep_checkpoints", "debug",
+    ),
+    "data": (
+        "train_files", "eval_files", "data_dir", "train_split", "eval_split", "race_levels",
+        "tokenizer", "max_train_examples", "max_eval_examples",
+    ),
+    "mesh": ("data", "fsdp", "tensor"),
+    "debug": ("sigterm_after_step",),
+}  # fmt: skip
+
+
+def _keys(node: Any) -> set[str]:
+    return set(node.keys()) if hasattr(node, "keys") else set()
+
+
+def validate_config(config: Any) -> TaskSpec:
+    """Checks a fine-tuning config before anything is read or compiled.
+
+    Raises ValueError naming the field: unknown fields (see KNOWN_FIELDS; configs/finetune.py
+    sets exactly these), an unknown task, bad sizes, non-positive steps or batch sizes.
+    """
+    spec = registry.get_task(config.task)
+    for section, known in KNOWN_FIELDS.items():
+        node = config if not section else config[section]
+        unknown = sorted(_keys(node) - set(known))
+        if unknown:
+            where = f"config.{section}." if section else "config."
+            names = [where + k for k in unknown]
+            raise ValueError(f"unknown fields {names}; known: {sorted(known)}")
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(_keys(config.model) - model_fields)
+    if unknown:
+        raise ValueError(
+            f"config.model has unknown fields {unknown}; known: {sorted(model_fields)}"
+        )
+    if config.init:
+        fixed = sorted(_keys(config.model) - set(RUNTIME_MODEL_FIELDS))
+        if fixed:
+            raise ValueError(
+                f"config.model.{fixed[0]} cannot change a pretrained model (init={config.init!r});"
+                f" only {RUNTIME_MODEL_FIELDS} may be set"
+            )
+    for name in ("batch_size", "eval_batch_size", "max_seq_length", "log_every_steps"):
+        if int(config[name]) < 1:
+            raise ValueError(f"config.{name} must be >= 1, got {config[name]}")
+    if config.num_train_epochs <= 0 and config.num_train_steps < 0:
+        raise ValueError(f"config.num_train_steps must be >= 0, got {config.num_train_steps}")
+    if not 0.0 <= config.classifier_dropout < 1.0:
+        raise ValueError(
+            f"config.classifier_dropout must be in [0, 1), got {config.classifier_dropout}"
+        )
+    if not 0.0 <= config.warmup_fraction < 1.0:
+        raise ValueError(f"config.warmup_fraction must be in [0, 1), got {config.warmup_fraction}")
+    return spec
+
+
+def model_config(
+    config: Any, pretrained_config: ModelConfig | None, vocab_size: int
+) -> ModelConfig:
+    overrides = dict(config.model.to_dict() if hasattr(config.model, "to_dict") else config.model)
+    if pretrained_config is not None:
+        model_config = pretrained_config.replace(**overrides)
+    else:
+        overrides.setdefault("vocab_size", vocab_size)
+        model_config = ModelConfig.preset(config.size, **overrides)
+    if config.max_seq_length > model_config.max_position_embeddings:
+        raise ValueError(
+            f"config.max_seq_length={config.max_seq_length} exceeds the model's "
+            f"max_position_embeddings={model_config.max_position_embeddings}"
+        )
+    if model_config.vocab_size < vocab_size:
+        raise ValueError(
+            f"the tokenizer has {vocab_size} pieces but the model only {model_config.vocab_size} "
+            "embeddings: use the checkpoint's tokenizer (unset config.data.tokenizer)"
+        )
+    return model_config
+
+
+def check_batch(name: str, value: int, mesh: Mesh) -> None:
+    split = mesh.shape["data"] * mesh.shape["fsdp"]
+    if value % split or value % jax.process_count():
+        raise ValueError(
+            f"config.{name}={value} must be divisible by the {split} data-parallel devices and "
+            f"the {jax.process_count()} processes"
+        )
+
+
+def optimizer_config(config: Any, num_train_steps: int) -> dict[str, Any]:
+    warmup = config.warmup_steps
+    if config.warmup_fraction > 0:
+        warmup = int(round(config.warmup_fraction * num_train_steps))
+    warmup = min(int(warmup), num_train_steps)
+    fields = ("optimizer", "learning_rate", "weight_decay", "grad_clip_norm", "b1", "b2", "eps",
+              "lr_poly_power")  # fmt: skip
+    return {
+        **{k: config[k] for k in fields},
+        "warmup_steps": warmup,
+        "num_train_steps": max(num_train_steps, 1),
+    }
