@@ -8,6 +8,7 @@ independent reader of the official TF1 variable names.
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -20,12 +21,13 @@ os.environ.setdefault("USE_TF", "0")  # keep transformers from importing TF (we 
 os.environ.setdefault("USE_FLAX", "0")
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from safetensors.numpy import load_file  # noqa: E402
+from gcs import assert_local_unchanged  # noqa: E402
+from safetensors.numpy import load, load_file  # noqa: E402
 
 from albert_jax import convert  # noqa: E402
 from albert_jax.config import ModelConfig  # noqa: E402
 from albert_jax.model import AlbertForPreTraining, init_params  # noqa: E402
-from albert_jax.pretrained import load_pretrained  # noqa: E402
+from albert_jax.pretrained import load_pretrained, save_model_dir  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-4  # fp32 parity bound (absolute)
@@ -412,11 +414,12 @@ def test_tf1_missing_and_misshaped(tmp_path):
 
 
 # -------------------------------------------------------------------------------------- CLI
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+def run_cli(*args: str, cwd: str = REPO) -> subprocess.CompletedProcess:
+    python_path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": python_path}
     return subprocess.run(
         [sys.executable, "-m", "albert_jax.convert", *args],
-        cwd=REPO, env=env, capture_output=True, text=True,
+        cwd=cwd, env=env, capture_output=True, text=True,
     )  # fmt: skip
 
 
@@ -444,3 +447,49 @@ def test_cli_hf_round_trip(tmp_path):
 
     bad = run_cli("--from=hf", "--to=hf", f"--src={ours}", f"--dst={back}")
     assert bad.returncode != 0 and "exactly one of --from" in bad.stderr
+
+
+def test_missing_sources_are_named(tmp_path):
+    """Every reader of a foreign checkpoint, and the CLI, name a missing source."""
+    missing = str(tmp_path / "nowhere")
+    config = ModelConfig.from_dict(HF_CONFIGS["shared"])
+    for read in (convert.load_hf_checkpoint, convert.load_hf_state_dict, convert.load_tf_dir):
+        with pytest.raises(ValueError, match=re.escape(missing) + r".* does not exist"):
+            read(missing)
+    with pytest.raises(ValueError, match=re.escape(f"{missing}/model.ckpt-1.index does not")):
+        convert.tf_checkpoint_to_params(f"{missing}/model.ckpt-1", config)
+    dst = tmp_path / "out"
+    done = run_cli("--from=tf", f"--src={missing}", f"--dst={dst}")
+    assert done.returncode != 0 and f"ValueError: official TF1 checkpoint: {missing}" in done.stderr
+    assert not dst.exists()
+
+
+def test_cli_to_hf_and_back_on_gcs(gcs, tmp_path, monkeypatch):
+    """`--to=hf` from a gs:// model dir into a gs:// HF dir writes the tensors the local
+    conversion writes, and `--from=hf` of that gs:// HF dir into a gs:// model dir gives back
+    the same params; nothing is written to the local working directory."""
+    hf = random_hf_model(HF_CONFIGS["shared"], seed=11)
+    hf.save_pretrained(tmp_path / "hf")
+    config, params = convert.load_hf_checkpoint(str(tmp_path / "hf"))
+    convert.save_hf_checkpoint(params, config, str(tmp_path / "hf_local"))
+    ours, hf_dir, back = (gcs.url(f"test_convert/{name}") for name in ("ours", "hf", "back"))
+    save_model_dir(ours, params, config)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+
+    done = run_cli("--to=hf", f"--src={ours}", f"--dst={hf_dir}", cwd=str(cwd))
+    assert done.returncode == 0, done.stderr[-2000:]
+    want = load_file(str(tmp_path / "hf_local" / "model.safetensors"))
+    got = load(gcs.read("test_convert/hf/model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    assert json.loads(gcs.read("test_convert/hf/config.json")) == convert.to_hf_config(config)
+
+    done = run_cli("--from=hf", f"--src={hf_dir}", f"--dst={back}", cwd=str(cwd))
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = load_pretrained(back)
+    assert loaded.source == "albert_jax" and loaded.config == config
+    jax.tree.map(np.testing.assert_array_equal, loaded.params, params)
+    assert_local_unchanged(str(cwd))

@@ -5,6 +5,7 @@ import gzip
 import itertools
 import json
 import os
+import re
 import shutil
 
 import flax.linen as nn
@@ -12,9 +13,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from gcs import assert_local_unchanged
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from albert_jax import checkpointing, files
 from albert_jax.config import ModelConfig
 from albert_jax.convert import flatten_params
 from albert_jax.data.tokenizer import Tokenizer, train_tokenizer
@@ -144,6 +147,7 @@ def test_training_workdir_and_step_dir(tmp_path, spm_model):
     first = load_pretrained(str(step_dir))
     assert first.step == 100 and first.tokenizer_path == str(workdir / "tokenizer.model")
     assert_same_tree(first.params, saved[100])
+    assert isinstance(first.tokenizer, Tokenizer)
 
     empty = tmp_path / "fresh_run"
     (empty / "checkpoints").mkdir(parents=True)
@@ -216,3 +220,49 @@ def test_unknown_layout(tmp_path):
     assert "notes.txt" in str(err.value)
     with pytest.raises(ValueError, match="does not exist"):
         load_pretrained(str(tmp_path / "missing"))
+
+
+def test_missing_paths_are_named(tmp_path, monkeypatch):
+    """A missing workdir, step dir or model dir: ValueError naming the path as given, before
+    anything is built; nothing is written where the caller runs."""
+    monkeypatch.chdir(tmp_path)
+    for path in ("no_such_run", str(tmp_path / "run" / "checkpoints" / "10"), "gs_typo/model"):
+        with pytest.raises(ValueError, match=re.escape(repr(path)) + " does not exist"):
+            load_pretrained(path)
+    assert os.listdir(tmp_path) == []
+
+
+def test_gcs_workdir_and_step_dir(gcs, tmp_path, monkeypatch, spm_model):
+    """A training workdir on gs:// (as the loop writes it: Orbax checkpoints, the tokenizer next
+    to them): `load_pretrained` of the workdir and of a step dir gives what the same files give
+    locally, tokenizer included; nothing is written to the local working directory."""
+    config = CONFIG.replace(sharing="all")
+    local, remote = str(tmp_path / "local_run"), gcs.url("test_pretrained/run")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    saved = {step: random_params(config, seed=step) for step in (3, 6)}
+    for workdir in (local, remote):
+        with checkpointing.Checkpointer(workdir, every_steps=1) as ckpt:
+            for step, params in saved.items():
+                ckpt.save(
+                    step,
+                    params=params["params"],
+                    opt_state={"count": np.int32(step)},
+                    data={"next_index": step},
+                    meta=checkpoint_meta(config, step),
+                    force=True,
+                )
+        files.copy(spm_model, f"{workdir}/{checkpointing.TOKENIZER_FILE}")
+    text = "it is a truth universally acknowledged"
+    for suffix, step in (("", 6), ("/checkpoints/3", 3)):
+        want, got = load_pretrained(local + suffix), load_pretrained(remote + suffix)
+        assert got.step == want.step == step and got.config == want.config == config
+        assert got.tokenizer_path == f"{remote}/tokenizer.model"
+        assert got.tokenizer.encode(text) == want.tokenizer.encode(text)
+        assert_same_tree(got.params, want.params)
+        assert_same_tree(got.params, saved[step])
+    missing = gcs.url("test_pretrained/no_such_run")
+    with pytest.raises(ValueError, match=re.escape(repr(missing)) + " does not exist"):
+        load_pretrained(missing)
+    assert_local_unchanged(str(cwd))
