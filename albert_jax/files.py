@@ -8,20 +8,25 @@ write is a temporary file + rename on local disk and one upload remotely.
 
 from __future__ import annotations
 
+import bz2
 import contextlib
 import gzip
 import io
 import json
 import os
+import re
 import uuid
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, BinaryIO
 
 from etils import epath
 
 PathLike = str | os.PathLike
 
 GLOB_CHARS = "*?["
+COPY_CHUNK = 16 << 20  # bytes per read of a streamed copy
+# "BZh", the block size 1-9, then the first block's magic (pi in BCD) or an empty stream's.
+_BZIP2_MAGIC = re.compile(rb"BZh[1-9](1AY&SY|\x17rE8P\x90)", re.DOTALL)
 
 
 class BadRecordError(ValueError):
@@ -58,16 +63,26 @@ def text(value: bytes | str | Any) -> str:
 def write_atomic(path: PathLike, data: bytes | str) -> None:
     """Replaces `path` with `data` so that readers see the old or the new content, never a
     part: temp file + rename locally, one upload remotely. Creates the parent directory."""
+    with open_atomic(path) as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+@contextlib.contextmanager
+def open_atomic(path: PathLike) -> Iterator[BinaryIO]:
+    """A binary file to write `path` in pieces (e.g. `np.save`, a stream copy), published
+    whole when the block ends without an exception: a temp file renamed over `path` locally,
+    one upload on close remotely. Creates the parent directory."""
     target = as_path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    payload = data.encode("utf-8") if isinstance(data, str) else data
     if not is_local(target):
-        target.write_bytes(payload)
+        with target.open("wb") as f:  # the object appears when the upload completes
+            yield f
         return
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
     try:
-        tmp.write_bytes(payload)
-        tmp.rename(target)  # os.rename: atomic on one filesystem
+        with tmp.open("wb") as f:
+            yield f
+        tmp.replace(target)  # a rename that overwrites: atomic on one filesystem
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -91,24 +106,38 @@ def read_json(path: PathLike) -> Any:
 
 
 def copy(src: PathLike, dst: PathLike) -> None:
-    """Copies one file (local or remote on either side); no-op onto itself."""
+    """Copies one file (local or remote on either side; streamed, atomic like `write_atomic`);
+    no-op onto itself."""
     if absolute(src) == absolute(dst):
         return
-    write_atomic(dst, as_path(src).read_bytes())
+    with as_path(src).open("rb") as source, open_atomic(dst) as target:
+        while chunk := source.read(COPY_CHUNK):
+            target.write(chunk)
+
+
+@contextlib.contextmanager
+def open_binary(path: PathLike) -> Iterator[BinaryIO]:
+    """Opens a file for streaming reads, decompressing gzip or bzip2 (multi-stream too) when it
+    starts with their magic bytes (whatever its name says)."""
+    with as_path(path).open("rb") as raw:
+        magic = raw.read(10)
+        raw.seek(0)
+        if magic[:2] == b"\x1f\x8b":
+            with gzip.GzipFile(fileobj=raw, mode="rb") as f:
+                yield f  # type: ignore[misc]
+        elif _BZIP2_MAGIC.fullmatch(magic):
+            # BZ2File reads multi-stream files (the Wikipedia "multistream" dumps) to the end.
+            with bz2.BZ2File(raw, mode="rb") as f:
+                yield f  # type: ignore[misc]
+        else:
+            yield raw
 
 
 @contextlib.contextmanager
 def open_text(path: PathLike) -> Iterator[io.TextIOBase]:
-    """Opens a UTF-8 text file for reading, gunzipping it when it starts with the gzip magic
-    bytes (whatever its name says)."""
-    with as_path(path).open("rb") as raw:
-        magic = raw.read(2)
-        raw.seek(0)
-        with contextlib.ExitStack() as stack:
-            stream: Any = raw
-            if magic == b"\x1f\x8b":
-                stream = stack.enter_context(gzip.GzipFile(fileobj=raw, mode="rb"))
-            yield io.TextIOWrapper(stream, encoding="utf-8")
+    """Opens a UTF-8 text file for reading, decompressed like `open_binary`."""
+    with open_binary(path) as stream:
+        yield io.TextIOWrapper(stream, encoding="utf-8")
 
 
 def expand(patterns: PathLike | Sequence[PathLike], what: str = "files") -> list[str]:

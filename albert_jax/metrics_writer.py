@@ -7,7 +7,7 @@ metrics.jsonl holds one JSON object per log step (`step`, `loss`, `mlm_loss`, ..
 eval steps). Non-finite values are written as null (JSON has no NaN). After a restart from step
 k, `rewind(k)` drops the lines of steps > k, so the file reads like one uninterrupted run.
 TensorBoard events are written with `tensorboard`'s own event writer and protos (no clu). The
-workdir may be a `gs://` path: files go through `etils.epath`, and since object stores cannot
+workdir may be a `gs://` path: files go through `albert_jax.files`, and since object stores cannot
 append, the JSONL is then rewritten whole at each log step (it stays small).
 """
 
@@ -16,15 +16,14 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from absl import logging
-from etils import epath
+
+from albert_jax import files
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -41,14 +40,9 @@ def _json_number(value: Any) -> Any:
     return number if math.isfinite(number) else None
 
 
-def is_local(path: str) -> bool:
-    """False for object-store paths (gs://, s3://...), which have no append and no rename."""
-    return "://" not in str(path)
-
-
 def read_metrics(path: str) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl file (a workdir is accepted too); [] if absent."""
-    file = epath.Path(path)
+    file = files.as_path(path)
     if file.is_dir():
         file = file / METRICS_FILE
     if not file.exists():
@@ -57,17 +51,8 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 
 
 def _write_lines(path: str, records: Sequence[Mapping[str, Any]]) -> None:
-    """Replaces `path` with these records: temp file + rename locally, one upload remotely
-    (object stores write whole objects atomically)."""
-    text = "".join(json.dumps(r) + "\n" for r in records)
-    if not is_local(path):
-        epath.Path(path).write_text(text)
-        return
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=METRICS_FILE + ".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    """Replaces `path` with these records, atomically (`files.write_atomic`)."""
+    files.write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 class MetricsWriter:
@@ -80,17 +65,17 @@ class MetricsWriter:
 
     def __init__(self, workdir: str, *, enabled: bool = True):
         self.enabled = enabled
-        self.path = str(epath.Path(workdir) / METRICS_FILE)
+        self.path = str(files.as_path(workdir) / METRICS_FILE)
         self._tb: Any = None
         self._records: list[dict[str, Any]] | None = None  # kept only for remote workdirs
         if not enabled:
             return
-        epath.Path(workdir).mkdir(parents=True, exist_ok=True)
+        files.as_path(workdir).mkdir(parents=True, exist_ok=True)
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         # Through tf.io.gfile when TensorFlow is installed, so gs:// works as well.
-        self._tb = EventFileWriter(str(epath.Path(workdir) / TENSORBOARD_DIR))
-        if not is_local(self.path):
+        self._tb = EventFileWriter(str(files.as_path(workdir) / TENSORBOARD_DIR))
+        if not files.is_local(self.path):
             self._records = read_metrics(self.path)
 
     def rewind(self, step: int) -> int:
@@ -112,8 +97,8 @@ class MetricsWriter:
         if not self.enabled:
             return
         record = {"step": int(step), **{k: _json_number(v) for k, v in metrics.items()}}
-        if self._records is None:
-            with open(self.path, "a", encoding="utf-8") as f:
+        if self._records is None:  # a local file: append (and flush) one line
+            with files.as_path(self.path).open("a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
         else:  # object stores cannot append: rewrite (a few hundred lines at most)
             self._records.append(record)
@@ -205,7 +190,7 @@ def plot_learning_curve(workdir: str, out_path: str | None = None) -> str | None
     matplotlib.use("Agg")  # no display on training machines
     import matplotlib.pyplot as plt
 
-    out_path = out_path or str(epath.Path(workdir) / LEARNING_CURVE_FILE)
+    out_path = out_path or str(files.as_path(workdir) / LEARNING_CURVE_FILE)
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
     for key, label in (("loss", "train loss"), ("eval_loss", "eval loss")):
         steps, values = _series(records, key)
@@ -235,11 +220,11 @@ def plot_learning_curve(workdir: str, out_path: str | None = None) -> str | None
     ax_acc.set_ylim(0, 1)
     ax_acc.legend(fontsize=8)
     ax_acc.grid(alpha=0.3)
-    fig.suptitle(epath.Path(workdir).name)
+    fig.suptitle(files.as_path(workdir).name)
     fig.tight_layout()
-    png = io.BytesIO()
+    png = io.BytesIO()  # matplotlib writes local files only: render to memory, then upload
     fig.savefig(png, format="png", dpi=100)
-    epath.Path(out_path).write_bytes(png.getvalue())
+    files.write_atomic(out_path, png.getvalue())
     plt.close(fig)
     logging.info("learning curve written to %s", out_path)
     return out_path

@@ -6,17 +6,14 @@ Process 0 does the work; the others wait at a barrier and then read the same fil
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 import time
 from typing import Any
 
 import jax
 from absl import logging
-from etils import epath
 from jax.experimental import multihost_utils
 
-from albert_jax import checkpointing, metrics_writer
+from albert_jax import checkpointing, files
 from albert_jax.config import model_config_from
 from albert_jax.train_config import config_field
 
@@ -31,7 +28,7 @@ def barrier(name: str) -> None:
 def _find_tokenizer(directory: str | None) -> str | None:
     if not directory:
         return None
-    path = epath.Path(directory) / checkpointing.TOKENIZER_FILE
+    path = files.as_path(directory) / checkpointing.TOKENIZER_FILE
     return str(path) if path.is_file() else None
 
 
@@ -53,20 +50,6 @@ def _train_tokenizer_texts(config: Any) -> Any:
                 break
 
 
-def _write_atomically(target: str, data: bytes) -> None:
-    """A reader never sees half a file: temp file + rename locally; object stores (gs://)
-    publish whole objects anyway."""
-    if not metrics_writer.is_local(target):
-        epath.Path(target).write_bytes(data)
-        return
-    directory = os.path.dirname(target)
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(target) + ".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, target)
-
-
 def prepare_tokenizer(config: Any, workdir: str, extra_dirs: tuple[str | None, ...] = ()) -> Any:
     """The run's tokenizer, saved as WORKDIR/tokenizer.model (what `load_pretrained` reads).
 
@@ -74,11 +57,11 @@ def prepare_tokenizer(config: Any, workdir: str, extra_dirs: tuple[str | None, .
     `extra_dirs` (the resume_from / init_from runs); else trained on the sources on first use
     (process 0; vocabulary = config.model.vocab_size; atomic write, the others wait).
     """
-    from albert_jax.data.tokenizer import Tokenizer, train_tokenizer
+    from albert_jax.data.tokenizer import Tokenizer, train_tokenizer_proto
 
-    target = str(epath.Path(workdir) / checkpointing.TOKENIZER_FILE)
+    target = str(files.as_path(workdir) / checkpointing.TOKENIZER_FILE)
     given = config_field(config, "data.tokenizer")
-    if given and not epath.Path(given).is_file():
+    if given and not files.as_path(given).is_file():
         raise ValueError(f"config.data.tokenizer={given!r} does not exist")
     source = given or _find_tokenizer(workdir)
     for directory in extra_dirs:
@@ -90,26 +73,23 @@ def prepare_tokenizer(config: Any, workdir: str, extra_dirs: tuple[str | None, .
                 "training a %d-piece sentencepiece model on %s", vocab, config.data.sources
             )
             start = time.perf_counter()
-            with tempfile.TemporaryDirectory() as tmp:
-                trained = train_tokenizer(
-                    _train_tokenizer_texts(config),
-                    os.path.join(tmp, "tokenizer"),
-                    vocab_size=vocab,
-                    max_sentences=int(
-                        config_field(config, "data.tokenizer_max_sentences", 1_000_000)
-                    ),
-                    seed=config.seed,
-                )
-                _write_atomically(target, epath.Path(trained).read_bytes())
+            proto = train_tokenizer_proto(
+                _train_tokenizer_texts(config),
+                vocab,
+                max_sentences=int(config_field(config, "data.tokenizer_max_sentences", 1_000_000)),
+                seed=config.seed,
+            )
+            files.write_atomic(target, proto)  # local or gs://
             logging.info("tokenizer trained in %.1fs: %s", time.perf_counter() - start, target)
-        elif source != target:
-            _write_atomically(target, epath.Path(source).read_bytes())
+        else:
+            files.copy(source, target)  # a no-op when the tokenizer is the workdir's already
     barrier("tokenizer")
-    return Tokenizer(model_proto=epath.Path(target).read_bytes())
+    return Tokenizer(model_proto=files.as_path(target).read_bytes())
 
 
 def build_sources(config: Any) -> None:
-    """Prepares local TFDS datasets once (process 0) before every process reads them."""
+    """Prepares our TFDS datasets once (process 0) before every process reads them: ArrayRecord
+    in a local data dir, TFRecord in a `gs://` one (`builders.base.file_format_for`)."""
     from albert_jax.data import sources
 
     if jax.process_index() == 0:

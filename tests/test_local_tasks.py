@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from albert_jax import files
 from albert_jax.tasks import local
 from albert_jax.tasks.metrics import METRIC_FNS
 
@@ -234,3 +235,23 @@ def test_registry_and_paths(shared_data, tmp_path):
         local.read_task("sentiment_rt", str(tmp_path / "missing-*.jsonl"))
     with pytest.raises(ValueError, match="num_choices"):
         local.read_mc_cosmosqa(tmp_path / "any", num_choices=1)
+
+
+def test_task_files_on_gs(gcs, shared_data, tmp_path, monkeypatch):
+    """Task files, globs and SQuAD JSON on gs:// read like local ones; a missing gs:// file is
+    a ValueError naming it; nothing lands in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    prefix = f"tasks-{tmp_path.name}"
+    dev = _tasks_dir(shared_data, "sentiment_rt", "dev.jsonl.gz")
+    squad = _tasks_dir(shared_data, "squad_shifts", "reddit_v1.0.json.gz")
+    for path in (dev, squad):
+        files.copy(path, gcs.url(f"{prefix}/{os.path.basename(path)}"))
+    stats = local.ReadStats()
+    remote = local.read_task("sentiment_rt", gcs.url(f"{prefix}/dev.*"), stats=stats)
+    assert remote == local.read_task("sentiment_rt", dev) and stats.kept == 1109
+    remote_squad = local.read_squad(gcs.url(f"{prefix}/reddit_v1.0.json.gz"))
+    assert remote_squad == local.read_squad(squad)
+    missing = gcs.url(f"{prefix}/train.jsonl.gz")
+    with pytest.raises(ValueError, match=missing):
+        local.read_task("sentiment_rt", f"{gcs.url(f'{prefix}/dev.jsonl.gz')},{missing}")
+    assert os.listdir(tmp_path) == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -12,7 +13,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from albert_jax.data import pipeline, pretraining, sentences
+from albert_jax import files
+from albert_jax.data import cache, pipeline, pretraining, sentences
 from albert_jax.data.pipeline import DataConfig, DocumentSource, PretrainingIterator
 from albert_jax.data.tokenizer import Tokenizer
 
@@ -334,3 +336,102 @@ def test_tokenizer_cli_reads_sources(raw_text_file, tfds_dir, tmp_path):
     assert out.stdout.strip().endswith(prefix + ".model")
     cli = Tokenizer(prefix + ".model")
     assert cli.vocab_size == 400 and cli.mask_id == 4 and cli.encode("Emma smiled.")
+
+
+# ---------------------------------------------------------------- where the tokenized cache lives
+
+
+def test_cache_paths_do_not_depend_on_the_working_directory(tokenizer, tmp_path, monkeypatch):
+    """The same data gives the same cache entry from any working directory: local paths are
+    made absolute, gs:// paths kept as they are (they used to become ./gs:/bucket/...), and the
+    default cache of a gs:// data dir is the local per-host one."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+
+    def where(cwd, data_dir: str, inputs: str, cache_dir: str | None = None) -> tuple[str, str]:
+        monkeypatch.chdir(cwd)
+        [source] = pipeline.sources_from_spec(f"documents={inputs}", data_dir)
+        directory = cache.cache_dir_for(cache_dir, data_dir)
+        return directory, cache.cache_path(directory, source, "train", 0, 1, tokenizer)
+
+    remote, corpus = "gs://bucket/tfds", "gs://bucket/corpus.jsonl"
+    assert where(tmp_path / "a", remote, corpus) == where(tmp_path / "b", remote, corpus)
+    directory, entry = where(tmp_path / "a", remote, corpus)
+    assert directory == str(tmp_path / "home" / ".cache" / "albert_jax" / "albert_jax_cache")
+    assert entry.startswith(directory + "/documents.") and "gs:" not in entry
+    # An explicit gs:// cache dir is used as it is.
+    directory, entry = where(tmp_path / "a", remote, corpus, "gs://bucket/cache")
+    assert directory == "gs://bucket/cache" and entry.startswith("gs://bucket/cache/documents.")
+    # Relative local paths name the same entry as the absolute ones; other files, another one.
+    a = str(tmp_path / "a")
+    relative = where(a, "tfds", "corpus.jsonl")
+    assert relative == where(tmp_path / "b", f"{a}/tfds", f"{a}/corpus.jsonl")
+    assert relative[0] == f"{a}/tfds/albert_jax_cache"
+    assert where(tmp_path / "b", "tfds", "corpus.jsonl")[1] != relative[1]
+    assert not os.listdir(tmp_path / "a") and not os.listdir(tmp_path / "b")
+
+
+def test_cache_entry_without_its_marker_is_rebuilt(tokenizer, sources, tmp_path):
+    """`stats.json` is written last and commits an entry: a build that died before it (here:
+    arrays overwritten with garbage, marker gone) is rebuilt, never read."""
+
+    def load():
+        return pipeline.load_tokenized(
+            sources[1], tokenizer, split="train", shard_index=0, shard_count=1, cache_dir=tmp_path
+        )
+
+    corpus, stats, entry = load()
+    tokens = np.array(corpus.tokens)
+    del corpus
+    files.write_atomic(os.path.join(entry, "tokens.npy"), b"half an array")
+    os.remove(os.path.join(entry, cache.MARKER))
+    again, stats_again, entry_again = load()
+    assert (entry_again, stats_again) == (entry, stats) and stats["documents"] == 7
+    np.testing.assert_array_equal(again.tokens, tokens)
+    assert isinstance(again.tokens, np.memmap)  # local entries are memory-mapped
+    assert sorted(os.listdir(entry)) == [  # no temporary files left behind
+        "doc_starts.npy",
+        "sentence_starts.npy",
+        "stats.json",
+        "tokens.npy",
+    ]
+
+
+def test_demo_on_gs_feeds_the_pipeline(gcs, tokenizer, tmp_path, monkeypatch):
+    """The demo built into a gs:// data dir (TFRecord: ArrayRecord's writer cannot write
+    there) gives the batches a local (ArrayRecord) build gives, with the tokenized cache in a
+    gs:// cache dir (read back through a local mirror) or in the default per-host cache; the
+    working directory stays empty."""
+    cwd, home = tmp_path / "cwd", tmp_path / "home"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("HOME", str(home))
+    prefix = f"pipeline-{tmp_path.name}"
+    base = dict(seq_len=64, max_predictions_per_seq=5, batch_size=8, seed=3, sources="demo")
+
+    def batches(**where) -> list[dict[str, np.ndarray]]:
+        cfg = DataConfig(**base, **where)
+        return list(pipeline.make_eval_iterator(cfg, tokenizer, split="validation", num_batches=2))
+
+    on_gs = dict(data_dir=gcs.url(f"{prefix}/tfds"), cache_dir=gcs.url(f"{prefix}/cache"))
+    remote = batches(**on_gs)
+    objects = gcs.list(prefix)
+    assert any(".tfrecord-" in n for n in objects)
+    assert not any("array_record" in n for n in objects)
+    [entry] = [n for n in objects if n.startswith(f"{prefix}/cache/") and n.endswith("stats.json")]
+    assert ".validation.0-of-1." in entry
+    mirror = home / ".cache" / "albert_jax" / "mirror"
+    assert os.listdir(mirror)  # the builder's local copy, which the batches mapped
+    per_host = batches(data_dir=gcs.url(f"{prefix}/tfds"))
+    assert os.listdir(home / ".cache" / "albert_jax" / "albert_jax_cache")
+    local = batches(data_dir=str(tmp_path / "tfds"), cache_dir=str(tmp_path / "cache"))
+    assert_same(remote, per_host)
+    assert_same(remote, local)
+    # Another host reads the entry through a fresh mirror, without the documents: the entry
+    # is downloaded, not rebuilt (a rebuild would need the deleted dataset).
+    shutil.rmtree(mirror)
+    assert gcs.delete(f"{prefix}/tfds/")
+    assert_same(batches(**on_gs), remote)
+    assert os.listdir(mirror) and not gcs.list(f"{prefix}/tfds/")
+    assert os.listdir(cwd) == []

@@ -9,9 +9,11 @@ import math
 import os
 
 import pytest
+import tensorflow_datasets as tfds
 
 from albert_jax.data import sources
 from albert_jax.data.builders import Documents, DocumentsConfig, counters
+from albert_jax.data.builders.base import file_format_for
 from albert_jax.data.sources import (
     Source,
     build_source,
@@ -211,6 +213,17 @@ def test_tfrecord_datasets_read_in_the_same_order(tmp_path, shared_data):
         ]
     assert orders["tfrecord"] == orders["array_record"]
     assert sum(len(shard) for shard in orders["tfrecord"]) == 230
+
+
+def test_file_format_follows_the_data_dir(tmp_path):
+    """ArrayRecord (random access) in a local data dir; TFRecord on an object store, where
+    ArrayRecord's writer cannot write (it opens local files only)."""
+    assert file_format_for("gs://bucket/tfds") == "tfrecord"
+    assert file_format_for("s3://bucket/tfds") == "tfrecord"
+    assert file_format_for(str(tmp_path)) == "array_record"
+    assert file_format_for("relative/tfds") == "array_record"
+    builder = Documents(config=DocumentsConfig(name="x", files=("x",)), data_dir=str(tmp_path))
+    assert builder.info.file_format == tfds.core.FileFormat.ARRAY_RECORD
 
 
 # ---------------------------------------------------------------- catalog datasets

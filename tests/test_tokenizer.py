@@ -12,9 +12,9 @@ import pytest
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2
 
+from albert_jax import files
 from albert_jax.data.tokenizer import (
     Tokenizer,
-    _atomic_write,
     is_start_piece,
     load_or_train_tokenizer,
     preprocess_text,
@@ -148,10 +148,11 @@ def test_train_tokenizer_settings(tokenizer, tmp_path):
 
 
 def test_atomic_write_races(tmp_path):
-    """Concurrent writers: the file is always one complete version, never a mix."""
+    """Concurrent writers (the tokenizer's `files.write_atomic`): the file is always one
+    complete version, never a mix."""
     path = str(tmp_path / "model.bin")
     payloads = [bytes([i]) * 200_000 for i in range(8)]
-    threads = [threading.Thread(target=_atomic_write, args=(path, p)) for p in payloads]
+    threads = [threading.Thread(target=files.write_atomic, args=(path, p)) for p in payloads]
     for t in threads:
         t.start()
     for t in threads:
@@ -196,3 +197,28 @@ def test_load_or_train_trains_once(tmp_path):
     assert calls == [1] and first.fingerprint == second.fingerprint
     with pytest.raises(ValueError, match=".model"):
         load_or_train_tokenizer(str(tmp_path / "x.spm"), texts)
+
+
+def test_tokenizer_reads_and_writes_gs(gcs, tokenizer, tmp_path, monkeypatch):
+    """`Tokenizer("gs://...")` reads the model bytes through the file layer; training writes
+    the .model and .vocab there; nothing lands in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    prefix = f"tokenizer-{tmp_path.name}"
+    files.copy(tokenizer.model_path, gcs.url(f"{prefix}/session.model"))
+    remote = Tokenizer(gcs.url(f"{prefix}/session.model"))
+    assert remote.fingerprint == tokenizer.fingerprint
+    assert remote.encode("Emma smiled, 1990.") == tokenizer.encode("Emma smiled, 1990.")
+    calls = []
+
+    def texts():
+        calls.append(1)
+        return ["the quick brown fox jumps over the lazy dog, again and again."] * 200
+
+    path = gcs.url(f"{prefix}/first_use.model")
+    first = load_or_train_tokenizer(path, texts, vocab_size=60, hard_vocab_limit=False)
+    second = load_or_train_tokenizer(path, texts, vocab_size=60)
+    assert calls == [1] and first.fingerprint == second.fingerprint
+    assert gcs.exists(f"{prefix}/first_use.vocab") and second.model_path == path
+    with pytest.raises(ValueError, match=f"{prefix}/missing.model"):
+        Tokenizer(gcs.url(f"{prefix}/missing.model"))
+    assert os.listdir(tmp_path) == []

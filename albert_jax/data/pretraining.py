@@ -42,17 +42,17 @@ per side from the same Binomial(k, 1/2) instead of one coin per token.
 from __future__ import annotations
 
 import bisect
-import gzip
+import contextlib
 import io
 import json
-import os
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from albert_jax import files
 from albert_jax.data import masking, sentences
 
 if TYPE_CHECKING:
@@ -116,21 +116,6 @@ class TokenizedCorpus:
         """Document index of each global token offset."""
         sent = np.searchsorted(self.sentence_starts, token_index, side="right") - 1
         return np.searchsorted(self.doc_starts, sent, side="right") - 1
-
-    def save(self, directory: str) -> None:
-        os.makedirs(directory, exist_ok=True)
-        for name in ("tokens", "sentence_starts", "doc_starts"):
-            np.save(os.path.join(directory, name + ".npy"), getattr(self, name))
-
-    @classmethod
-    def load(cls, directory: str, mmap: bool = True) -> TokenizedCorpus:
-        mode = "r" if mmap else None
-        return cls(
-            *(
-                np.load(os.path.join(directory, name + ".npy"), mmap_mode=mode)
-                for name in ("tokens", "sentence_starts", "doc_starts")
-            )
-        )
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -203,16 +188,16 @@ def tokenize_one(
 def iter_raw_text_documents(source: str | bytes | io.IOBase) -> Iterator[dict]:
     """Reads the official raw format: one sentence per line, a blank line between documents.
 
-    `source` is a path (optionally `.gz`), bytes, or a binary file object. Bytes that are not
+    `source` is a path (local or `gs://`; gzip / bzip2 detected from the content), bytes, or a
+    binary file object (left open). Bytes that are not
     UTF-8 are kept as bytes in "text" so that `tokenize_documents` replaces and counts them.
     """
     if isinstance(source, bytes):
-        stream: io.IOBase = io.BytesIO(source)
+        stream: Any = contextlib.nullcontext(io.BytesIO(source))
     elif isinstance(source, str):
-        opener = gzip.open if source.endswith(".gz") else open
-        stream = opener(source, "rb")  # noqa: SIM115 (closed by the `with` below)
+        stream = files.open_binary(source)
     else:
-        stream = source
+        stream = contextlib.nullcontext(source)
     lines: list[bytes] = []
 
     def flush() -> dict:
@@ -223,8 +208,8 @@ def iter_raw_text_documents(source: str | bytes | io.IOBase) -> Iterator[dict]:
             text = raw
         return {"title": "", "text": text}
 
-    with stream:
-        for line in stream:
+    with stream as f:
+        for line in f:
             line = line.rstrip(b"\r\n")
             if line.strip():
                 lines.append(line)
@@ -236,10 +221,9 @@ def iter_raw_text_documents(source: str | bytes | io.IOBase) -> Iterator[dict]:
 
 
 def iter_jsonl_documents(path: str) -> Iterator[dict]:
-    """`{"title", "text"}` records of a (gzip) JSON Lines file."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-        for line in f:
+    """`{"title", "text"}` records of a (gzip) JSON Lines file, local or `gs://`."""
+    with files.open_binary(path) as raw:
+        for line in io.TextIOWrapper(raw, encoding="utf-8", errors="replace"):
             if line.strip():
                 yield json.loads(line)
 

@@ -35,8 +35,10 @@ catalog, so `books` must be built from your files first (`build_source(Source("b
 files=...)`, or the spec `books=/path/*.txt` alongside).
 
 The data dir is the `data_dir` argument, else `$TFDS_DATA_DIR` (read at call time), else
-TFDS's default `~/tensorflow_datasets`. With several hosts, build once (e.g. process 0, or
-`python -m albert_jax.data.builders`) before the others read.
+TFDS's default `~/tensorflow_datasets`; it may be local or `gs://`. Our builders write
+ArrayRecord into a local data dir and TFRecord into a `gs://` one (ArrayRecord's writer opens
+local files only); both read the same documents in the same order. With several hosts, build
+once (e.g. process 0, or `python -m albert_jax.data.builders`) before the others read.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from collections.abc import Iterator, Sequence
 import tensorflow_datasets as tfds
 from absl import logging
 
+from albert_jax import files
 from albert_jax.data.builders.base import LocalTextBuilder, counters, hide_gpus_from_tensorflow
 from albert_jax.data.builders.books import Books, BooksConfig
 from albert_jax.data.builders.demo import Demo
@@ -275,7 +278,8 @@ def build_source(
         built from.
 
     Returns:
-      A `tfds.core.DatasetBuilder`. Our datasets are prepared (ArrayRecord); catalog datasets
+      A `tfds.core.DatasetBuilder`. Our datasets are prepared (ArrayRecord in a local data dir,
+      TFRecord in a `gs://` one: see `builders.base.file_format_for`); catalog datasets
       (`wikipedia/20230601.en`) are returned as `tfds.builder(name, data_dir=...)` gives them,
       prepared or not: this function never downloads.
 
@@ -319,13 +323,13 @@ def _build_lock(builder: LocalTextBuilder) -> Iterator[None]:
     same dataset; with the lock, one builds and the others then read. Remote data dirs
     (gs://) have no such lock: prepare them beforehand (`prepare_sources`).
     """
-    config_dir = os.path.dirname(os.fspath(builder.data_dir))  # <root>/<name>/<config>
-    if "://" in config_dir:
+    config_dir = files.as_path(builder.data_dir).parent  # <root>/<name>/<config>
+    if not files.is_local(config_dir):
         yield
         return
-    os.makedirs(os.path.dirname(config_dir), exist_ok=True)
-    lock_path = os.path.join(os.path.dirname(config_dir), f".{os.path.basename(config_dir)}.lock")
-    with open(lock_path, "a") as lock:
+    config_dir.parent.mkdir(parents=True, exist_ok=True)
+    # A local path: epath opens it with the built-in `open`, a real file for `flock`.
+    with (config_dir.parent / f".{config_dir.name}.lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
@@ -352,10 +356,6 @@ def num_documents(
     if split not in builder.info.splits:
         raise ValueError(f"split: {split!r} not in {sorted(builder.info.splits)}")
     return builder.info.splits[split].num_examples
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else value
 
 
 def iter_documents(
@@ -412,12 +412,12 @@ def _read_shard(
         for first in range(start, len(records), _READ_CHUNK):
             chunk = range(first, min(first + _READ_CHUNK, len(records)))
             for record in records.__getitems__(list(chunk)):
-                yield {"title": _text(record["title"]), "text": _text(record["text"])}
+                yield {"title": files.text(record["title"]), "text": files.text(record["text"])}
         return
     read_config = tfds.ReadConfig(interleave_cycle_length=1)  # files in order: stable order
     dataset = builder.as_dataset(split=shard, shuffle_files=False, read_config=read_config)
     for record in tfds.as_numpy(dataset.skip(start)):
-        yield {"title": _text(record["title"]), "text": _text(record["text"])}
+        yield {"title": files.text(record["title"]), "text": files.text(record["text"])}
 
 
 def prepare_sources(

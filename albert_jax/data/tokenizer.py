@@ -20,13 +20,14 @@ import hashlib
 import io
 import os
 import random
-import tempfile
 import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import sentencepiece as spm
+
+from albert_jax import files
 
 PAD, UNK, CLS, SEP, MASK = "<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]"
 SPIECE_UNDERLINE = "▁"
@@ -91,10 +92,11 @@ class Tokenizer:
         if (model_path is None) == (model_proto is None):
             raise ValueError("Tokenizer: pass exactly one of model_path or model_proto")
         if model_path is not None:
-            if not os.path.exists(model_path):
+            model_path = os.fspath(model_path)
+            if not files.as_path(model_path).is_file():
                 raise ValueError(f"Tokenizer: model_path {model_path!r} does not exist")
-            with open(model_path, "rb") as f:
-                model_proto = f.read()
+            # SentencePiece loads a serialized proto as well as a file: this reads gs:// too.
+            model_proto = files.as_path(model_path).read_bytes()
         self.model_path = model_path
         self.lower = lower
         self.replace_quotes = replace_quotes
@@ -209,24 +211,8 @@ class Tokenizer:
         return self._sp.piece_to_id(piece)
 
 
-def _atomic_write(path: str, data: bytes) -> None:
-    """Writes `data` to `path` via a temp file + rename, so racing writers never see halves."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def train_tokenizer(
+def train_tokenizer_proto(
     texts: Iterable[str],
-    model_prefix: str,
     vocab_size: int = 30000,
     *,
     max_sentences: int = 1_000_000,
@@ -235,16 +221,16 @@ def train_tokenizer(
     character_coverage: float = 0.99995,
     num_threads: int | None = None,
     **spm_options: Any,
-) -> str:
-    """Trains an ALBERT SentencePiece model; returns the path `model_prefix + ".model"`.
+) -> bytes:
+    """Trains an ALBERT SentencePiece model in memory; returns the serialized model (what
+    `Tokenizer(model_proto=...)` loads and a `.model` file holds).
 
     Settings are the official `spm_train` flags: unigram, `--pad_id=0 --unk_id=1 --eos_id=-1
     --bos_id=-1 --control_symbols=[CLS],[SEP],[MASK] --user_defined_symbols=(,),",-,.,–,£,€
     --character_coverage=0.99995`. Each text (ideally one sentence) goes through
     `preprocess_text` first. At most `max_sentences` texts are kept, sampled uniformly with a
-    seeded reservoir, so memory and time stay bounded on big corpora. The `.model` and `.vocab`
-    files are written atomically (temp name + rename): concurrent trainers may race safely.
-    `spm_options` go to `SentencePieceTrainer.train` as they are (e.g. `hard_vocab_limit`).
+    seeded reservoir, so memory and time stay bounded on big corpora. `spm_options` go to
+    `SentencePieceTrainer.train` as they are (e.g. `hard_vocab_limit`).
     """
     if vocab_size < 16:
         raise ValueError(f"vocab_size must be >= 16 (got {vocab_size})")
@@ -285,14 +271,23 @@ def train_tokenizer(
         minloglevel=2,
         **spm_options,
     )
-    proto = model.getvalue()
+    return model.getvalue()
+
+
+def train_tokenizer(
+    texts: Iterable[str], model_prefix: str, vocab_size: int = 30000, **train_kwargs: Any
+) -> str:
+    """`train_tokenizer_proto` written to `model_prefix + ".model"` (and its pieces and scores
+    to `.vocab`), local or `gs://`; returns the `.model` path. Both files are written
+    atomically (`files.write_atomic`): concurrent trainers may race safely."""
+    proto = train_tokenizer_proto(texts, vocab_size, **train_kwargs)
     sp = spm.SentencePieceProcessor(model_proto=proto)
     vocab_lines = "".join(
         f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size())
     )
     model_path = model_prefix + ".model"
-    _atomic_write(model_prefix + ".vocab", vocab_lines.encode("utf-8"))
-    _atomic_write(model_path, proto)
+    files.write_atomic(model_prefix + ".vocab", vocab_lines)
+    files.write_atomic(model_path, proto)
     return model_path
 
 
@@ -311,7 +306,7 @@ def load_or_train_tokenizer(
     """
     if not model_path.endswith(".model"):
         raise ValueError(f"model_path must end with '.model' (got {model_path!r})")
-    if not os.path.exists(model_path):
+    if not files.as_path(model_path).is_file():
         train_tokenizer(texts(), model_path[: -len(".model")], vocab_size, **train_kwargs)
     return Tokenizer(model_path)
 

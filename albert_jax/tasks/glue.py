@@ -24,17 +24,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from albert_jax import files
+from albert_jax.files import BadRecordError
 from albert_jax.tasks.local import ClassificationExample, ReadStats
 
 __all__ = ["BadRecordError", "GlueTask", "GLUE_TASKS", "glue_example", "read_glue"]
-
-
-class BadRecordError(ValueError):
-    """A catalog record that cannot become an example; `reason` is its short skip reason."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
 
 
 class GlueTask(NamedTuple):
@@ -62,10 +56,6 @@ GLUE_TASKS: dict[str, GlueTask] = {
 }
 
 
-def _text(value: Any) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
-
-
 def glue_example(task: str, record: Mapping[str, Any], split: str = "") -> ClassificationExample:
     """One TFDS GLUE record -> ClassificationExample (id "<split>-<idx>").
 
@@ -82,7 +72,7 @@ def glue_example(task: str, record: Mapping[str, Any], split: str = "") -> Class
             continue
         if field not in record:
             raise BadRecordError(f"missing_field:{field}", f"glue/{task}: no field {field!r}")
-        text = _text(record[field])
+        text = files.text(record[field])
         if not text.strip():
             raise BadRecordError(f"empty_text:{field}", f"glue/{task}: empty {field!r}")
         texts.append(text)

@@ -1,4 +1,4 @@
-"""Readers for the local labelled sets (shared/data/tasks/) and SQuAD-format JSON files.
+"""Readers for labelled sets in JSON Lines files and for SQuAD-format JSON files.
 
 Each reader turns one file into a list of plain, frozen dataclass records:
 
@@ -16,20 +16,21 @@ A bad record (missing or mistyped field, empty text, label out of range, SQuAD a
 not in its context) is skipped and counted in a ReadStats, by reason, with the location of the
 first one; a summary is logged whenever anything was skipped. Nothing is dropped silently.
 
-The JSON Lines files may be gzip'ed (detected from the content, not the file name).
+The files may be local or on gs://, and gzip'ed (detected from the content, not the file name).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import glob
-import gzip
 import json
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
+
+from albert_jax import files
+from albert_jax.files import BadRecordError
 
 log = logging.getLogger(__name__)
 
@@ -125,14 +126,6 @@ class ReadStats:
             self.first_skipped.setdefault(reason, where)
 
 
-class _BadRecordError(Exception):
-    """Internal: the record at hand is skipped for `reason`."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
 def _log_summary(path: PathLike, stats: ReadStats) -> None:
     if stats.skipped_total or stats.adjusted:
         log.warning(
@@ -148,18 +141,19 @@ def _log_summary(path: PathLike, stats: ReadStats) -> None:
 
 
 # ----------------------------------------------------------------------------- file access
-def open_text(path: PathLike):
-    """Opens a text file for reading, gunzipping it if it starts with the gzip magic bytes."""
-    with open(path, "rb") as f:
-        magic = f.read(2)
-    if magic == b"\x1f\x8b":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+# Kept under these names for the readers' callers: the one implementation is albert_jax.files.
+open_text = files.open_text
+expand_paths = files.expand
+
+
+def _file_name(path: PathLike) -> str:
+    """dir/dev.jsonl.gz -> dev.jsonl.gz (a local or gs:// path)."""
+    return os.fspath(path).rpartition("/")[2]
 
 
 def _file_stem(path: PathLike) -> str:
     """dev.jsonl.gz → dev: the prefix of record ids."""
-    name = os.path.basename(os.fspath(path))
+    name = _file_name(path)
     for suffix in (".gz", ".jsonl", ".json"):
         name = name.removesuffix(suffix)
     return name
@@ -168,7 +162,7 @@ def _file_stem(path: PathLike) -> str:
 def _jsonl_records(path: PathLike, stats: ReadStats) -> Iterator[tuple[str, str, dict]]:
     """Yields (id, location, record) for every JSON object line; counts the lines that are not."""
     stem = _file_stem(path)
-    base = os.path.basename(os.fspath(path))
+    base = _file_name(path)
     with open_text(path) as f:
         for line_number, line in enumerate(f):
             if not line.strip():
@@ -188,33 +182,33 @@ def _jsonl_records(path: PathLike, stats: ReadStats) -> Iterator[tuple[str, str,
 
 def _text_field(record: dict, name: str) -> str:
     if name not in record:
-        raise _BadRecordError(f"missing_field:{name}")
+        raise BadRecordError(f"missing_field:{name}")
     value = record[name]
     if not isinstance(value, str):
-        raise _BadRecordError(f"bad_type:{name}")
+        raise BadRecordError(f"bad_type:{name}")
     if not value.strip():
-        raise _BadRecordError(f"empty_text:{name}")
+        raise BadRecordError(f"empty_text:{name}")
     return value
 
 
 def _int_field(record: dict, name: str) -> int:
     if name not in record:
-        raise _BadRecordError(f"missing_field:{name}")
+        raise BadRecordError(f"missing_field:{name}")
     value = record[name]
     # bool is an int in Python; a JSON true/false label is a malformed record, not class 1/0.
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _BadRecordError(f"bad_type:{name}")
+        raise BadRecordError(f"bad_type:{name}")
     return value
 
 
 def _float_field(record: dict, name: str) -> float:
     if name not in record:
-        raise _BadRecordError(f"missing_field:{name}")
+        raise BadRecordError(f"missing_field:{name}")
     value = record[name]
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _BadRecordError(f"bad_type:{name}")
+        raise BadRecordError(f"bad_type:{name}")
     if value != value or value in (float("inf"), float("-inf")):
-        raise _BadRecordError(f"not_finite:{name}")
+        raise BadRecordError(f"not_finite:{name}")
     return float(value)
 
 
@@ -225,7 +219,7 @@ def _read_jsonl(path: PathLike, parse: Callable[[str, dict], Any], stats: ReadSt
     for example_id, where, record in _jsonl_records(path, file_stats):
         try:
             examples.append(parse(example_id, record))
-        except _BadRecordError as bad:
+        except BadRecordError as bad:
             file_stats.skip(bad.reason, where)
     file_stats.kept = len(examples)
     _log_summary(path, file_stats)
@@ -244,7 +238,7 @@ def read_sentiment_rt(
         sentence = _text_field(record, "sentence")
         label = _int_field(record, "label")
         if not 0 <= label < len(SENTIMENT_LABELS):
-            raise _BadRecordError("label_out_of_range")
+            raise BadRecordError("label_out_of_range")
         return ClassificationExample(example_id, sentence, None, label)
 
     return _read_jsonl(path, parse, stats)
@@ -276,7 +270,7 @@ def read_nli_vitaminc(
         hypothesis = _text_field(record, "hypothesis")
         label = _text_field(record, "label")
         if label not in VITAMINC_LABELS:
-            raise _BadRecordError("unknown_label")
+            raise BadRecordError("unknown_label")
         return ClassificationExample(example_id, premise, hypothesis, VITAMINC_LABELS.index(label))
 
     return _read_jsonl(path, parse, stats)
@@ -297,19 +291,19 @@ def read_mc_cosmosqa(
         context = _text_field(record, "context")
         question = _text_field(record, "question")
         if "options" not in record:
-            raise _BadRecordError("missing_field:options")
+            raise BadRecordError("missing_field:options")
         options = record["options"]
         if not isinstance(options, list) or not all(isinstance(o, str) for o in options):
-            raise _BadRecordError("bad_type:options")
+            raise BadRecordError("bad_type:options")
         if any(not o.strip() for o in options):
-            raise _BadRecordError("empty_text:options")
+            raise BadRecordError("empty_text:options")
         if len(options) < 2:
-            raise _BadRecordError("too_few_options")
+            raise BadRecordError("too_few_options")
         if len(options) > num_choices:
-            raise _BadRecordError("too_many_options")
+            raise BadRecordError("too_many_options")
         label = _int_field(record, "label")
         if not 0 <= label < len(options):
-            raise _BadRecordError("label_out_of_range")
+            raise BadRecordError("label_out_of_range")
         padding = num_choices - len(options)
         return MultipleChoiceExample(
             id=example_id,
@@ -339,7 +333,7 @@ def _squad_answers(
 ) -> tuple[SpanAnswer, ...]:
     """Valid gold answers of one question; bad ones are dropped and counted in stats.adjusted."""
     if not isinstance(raw_answers, list):
-        raise _BadRecordError("bad_type:answers")
+        raise BadRecordError("bad_type:answers")
     answers = []
     for raw in raw_answers:
         text = raw.get("text") if isinstance(raw, dict) else None
@@ -379,7 +373,7 @@ def read_squad(
         dataset = json.load(f)
     if not isinstance(dataset, dict) or not isinstance(dataset.get("data"), list):
         raise ValueError(f"{os.fspath(path)}: not SQuAD JSON: expected a top-level 'data' list")
-    base = os.path.basename(os.fspath(path))
+    base = _file_name(path)
     file_stats = ReadStats()
     examples: list[SpanExample] = []
     seen_ids: set[str] = set()
@@ -403,27 +397,27 @@ def read_squad(
                 where = f"{where_paragraph}.qas[{qa_index}]"
                 try:
                     if not isinstance(context, str) or not context.strip():
-                        raise _BadRecordError("missing_field:context")
+                        raise BadRecordError("missing_field:context")
                     if not isinstance(qa, dict):
-                        raise _BadRecordError("not_an_object")
+                        raise BadRecordError("not_an_object")
                     qid = qa.get("id")
                     if not isinstance(qid, str) or not qid:
-                        raise _BadRecordError("missing_field:id")
+                        raise BadRecordError("missing_field:id")
                     where = f"{base}:{qid}"
                     if qid in seen_ids:
-                        raise _BadRecordError("duplicate_id")
+                        raise BadRecordError("duplicate_id")
                     question = _text_field(qa, "question")
                     is_impossible = qa.get("is_impossible", False)
                     if not isinstance(is_impossible, bool):
-                        raise _BadRecordError("bad_type:is_impossible")
+                        raise BadRecordError("bad_type:is_impossible")
                     answers: tuple[SpanAnswer, ...] = ()
                     if not is_impossible:
                         answers = _squad_answers(
                             qa.get("answers", []), context, relocate_answers, file_stats
                         )
                         if not answers:
-                            raise _BadRecordError("no_valid_answer")
-                except _BadRecordError as bad:
+                            raise BadRecordError("no_valid_answer")
+                except BadRecordError as bad:
                     file_stats.skip(bad.reason, where)
                     continue
                 seen_ids.add(qid)
@@ -468,28 +462,12 @@ TASKS: dict[str, LocalTask] = {
 }
 
 
-def expand_paths(paths: PathLike | Sequence[PathLike]) -> list[str]:
-    """Files named by a path, a glob, a comma-separated list of them, or a sequence of them."""
-    if isinstance(paths, str | os.PathLike):
-        patterns = [p for p in os.fspath(paths).split(",") if p]
-    else:
-        patterns = [os.fspath(p) for p in paths]
-    files: list[str] = []
-    for pattern in patterns:
-        is_glob = any(c in pattern for c in "*?[")
-        matches = sorted(glob.glob(pattern)) if is_glob else [pattern]
-        if not matches or not all(os.path.isfile(m) for m in matches):
-            raise ValueError(f"files: {pattern!r} names no readable file")
-        files.extend(matches)
-    if not files:
-        raise ValueError("files: no path given")
-    return files
-
-
 def read_task(
     name: str, paths: PathLike | Sequence[PathLike], *, stats: ReadStats | None = None
 ) -> list:
-    """All records of a local task from one or more files (see expand_paths), in file order."""
+    """All records of a local task from one or more files, in file order: paths, globs or
+    comma-separated lists of them, local or gs:// (`files.expand`: a ValueError names a pattern
+    that matches no file)."""
     if name not in TASKS:
         raise ValueError(f"task: unknown local task {name!r}; known: {sorted(TASKS)}")
     reader = TASKS[name].reader

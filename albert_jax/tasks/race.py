@@ -14,17 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from albert_jax.tasks.glue import BadRecordError
+from albert_jax import files
+from albert_jax.files import BadRecordError
 from albert_jax.tasks.local import MultipleChoiceExample, ReadStats
 
 __all__ = ["RACE_LEVELS", "RACE_NUM_CHOICES", "race_examples", "read_race"]
 
 RACE_LEVELS = ("middle", "high")
 RACE_NUM_CHOICES = 4
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
 def _option_rows(value: Any) -> list[list[Any]]:
@@ -46,13 +43,13 @@ def race_examples(
     for field in ("article", "questions", "answers", "options"):
         if field not in record:
             raise BadRecordError(f"missing_field:{field}", f"RACE record: no {field!r}")
-    article = _text(record["article"])
+    article = files.text(record["article"])
     if not article.strip():
         raise BadRecordError("empty_text:article", "RACE record: empty article")
-    article_id = _text(record.get("example_id", b"")) or "race"
-    questions = [_text(q) for q in np.asarray(record["questions"], dtype=object).reshape(-1)]
-    answers = [_text(a) for a in np.asarray(record["answers"], dtype=object).reshape(-1)]
-    options = [[_text(o) for o in row] for row in _option_rows(record["options"])]
+    article_id = files.text(record.get("example_id", b"")) or "race"
+    questions = [files.text(q) for q in np.asarray(record["questions"], dtype=object).reshape(-1)]
+    answers = [files.text(a) for a in np.asarray(record["answers"], dtype=object).reshape(-1)]
+    options = [[files.text(o) for o in row] for row in _option_rows(record["options"])]
     if not len(questions) == len(answers) == len(options):
         raise BadRecordError(
             "ragged_questions",

@@ -17,16 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from albert_jax.tasks.glue import BadRecordError
+from albert_jax import files
+from albert_jax.files import BadRecordError
 from albert_jax.tasks.local import ReadStats, SpanAnswer, SpanExample
 
 __all__ = ["SQUAD_VERSIONS", "squad_example", "read_squad_tfds", "squad_json"]
 
 SQUAD_VERSIONS = {"v1.1": "squad/v1.1", "v2.0": "squad/v2.0"}
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
 def _nearest(context: str, text: str, near: int) -> int:
@@ -43,13 +40,13 @@ def squad_example(record: Mapping[str, Any], stats: ReadStats | None = None) -> 
     without id / question / context, or an answerable question without a valid answer;
     relocated or dropped answers are counted in `stats.adjusted`."""
     for field in ("id", "question", "context"):
-        if field not in record or not _text(record[field]).strip():
+        if field not in record or not files.text(record[field]).strip():
             raise BadRecordError(f"missing_field:{field}", f"SQuAD record: no {field!r}")
-    qid, context = _text(record["id"]), _text(record["context"])
+    qid, context = files.text(record["id"]), files.text(record["context"])
     is_impossible = bool(np.asarray(record.get("is_impossible", False)).item())
     answers: list[SpanAnswer] = []
     raw = record.get("answers") or {}
-    texts = [_text(t) for t in np.asarray(raw.get("text", []), dtype=object).reshape(-1)]
+    texts = [files.text(t) for t in np.asarray(raw.get("text", []), dtype=object).reshape(-1)]
     starts = [int(s) for s in np.asarray(raw.get("answer_start", []), dtype=np.int64).reshape(-1)]
     for text, start in zip(texts, starts, strict=False):
         if not text:
@@ -67,9 +64,9 @@ def squad_example(record: Mapping[str, Any], stats: ReadStats | None = None) -> 
         answers = []
     elif not answers:
         raise BadRecordError("no_valid_answer", f"SQuAD question {qid!r}: no valid answer")
-    title = _text(record.get("title", b""))
+    title = files.text(record.get("title", b""))
     return SpanExample(
-        qid, title, _text(record["question"]), context, tuple(answers), is_impossible
+        qid, title, files.text(record["question"]), context, tuple(answers), is_impossible
     )
 
 

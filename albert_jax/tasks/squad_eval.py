@@ -39,7 +39,7 @@ from collections.abc import Mapping
 
 from absl import app, flags
 
-from albert_jax.tasks.local import open_text
+from albert_jax import files
 
 log = logging.getLogger(__name__)
 
@@ -280,10 +280,13 @@ def define_flags() -> None:
 
 
 def _load_json(path: str, what: str):
+    """A (gzip'ed) JSON file, local or gs://."""
+    if not files.as_path(path).is_file():
+        raise app.UsageError(f"--{what}={path}: no such file")
     try:
-        with open_text(path) as f:
+        with files.open_text(path) as f:
             return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
         raise app.UsageError(f"--{what}={path}: cannot read JSON: {e}") from e
 
 

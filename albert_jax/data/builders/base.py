@@ -16,9 +16,12 @@ Counters about documents (written, empty, decode errors) are counted in the pass
 document's split; counters about inputs (files, pages, broken JSON lines, redirects...) are
 counted once, in the `train` pass. So summing over splits never counts anything twice.
 
-Records are written in TFDS's deterministic order (a hash of the example key) as ArrayRecord
-by default, for random access through `tfds.data_source`; `as_dataset` works too (through a
-generator over the same random-access source), and `file_format="tfrecord"` is accepted.
+Records are written in TFDS's deterministic order (a hash of the example key). The file format
+(`file_format_for`): ArrayRecord in a local data dir, for random access through
+`tfds.data_source` (`as_dataset` works too, through a generator over the same source); TFRecord
+in an object-store data dir (`gs://`), because ArrayRecord's writer opens local files only. A
+TFRecord dataset is read sequentially through `as_dataset`, which is all the pretraining
+pipeline needs (it reads each shard once, into its tokenized cache). `file_format=` overrides.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import collections
 import contextlib
 import dataclasses
 import hashlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,6 +40,7 @@ import tensorflow_datasets as tfds
 from absl import logging
 
 from albert_jax.data.builders.text_files import resolve_files
+from albert_jax.files import is_local
 
 TRAIN = "train"
 VALIDATION = "validation"
@@ -64,6 +69,13 @@ class LocalTextConfig(tfds.core.BuilderConfig):
             raise ValueError(
                 f"validation_fraction must be in [0, 1), got {self.validation_fraction}"
             )
+
+
+def file_format_for(data_dir: str | os.PathLike) -> str:
+    """The file format of new datasets in `data_dir`: `array_record` in a local one (random
+    access), `tfrecord` on an object store (gs://...), where ArrayRecord's writer cannot write:
+    it opens local files only (on real GCS as well)."""
+    return "array_record" if is_local(data_dir) else "tfrecord"
 
 
 def _title_hash(title: str) -> int:
@@ -135,10 +147,9 @@ class LocalTextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     def __init__(self, *, file_format: str | None = None, **kwargs: Any):
         hide_gpus_from_tensorflow()
         super().__init__(file_format=file_format, **kwargs)
-        # New datasets default to ArrayRecord (random access through `tfds.data_source`);
-        # a prepared dataset keeps the format it was written in.
+        # New datasets get the format of their data dir; a prepared one keeps its own.
         if file_format is None and not self.is_prepared():
-            self.info.set_file_format("array_record", override=True)
+            self.info.set_file_format(file_format_for(self.data_dir), override=True)
 
     @property
     def config(self) -> LocalTextConfig:

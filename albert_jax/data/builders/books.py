@@ -23,7 +23,8 @@ import re
 from collections.abc import Callable, Iterator
 
 from albert_jax.data.builders.base import LocalTextBuilder, LocalTextConfig, Tally
-from albert_jax.data.builders.text_files import decode_utf8, open_binary, stem
+from albert_jax.data.builders.text_files import decode_utf8, stem
+from albert_jax.files import open_binary
 
 _GUTENBERG_START = re.compile(
     r"^\s*\*{3}\s*START OF (THE|THIS) PROJECT GUTENBERG E-?BOOK.*$", re.IGNORECASE | re.MULTILINE

@@ -7,12 +7,13 @@ something in minutes on a CPU. Built like any `documents` dataset, with 5% held 
 
 from __future__ import annotations
 
-import os
+import pathlib
 
 from albert_jax.data.builders.documents import Documents, DocumentsConfig
 
-DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo")
-DEMO_FILE = os.path.join(DEMO_DIR, "demo.jsonl.gz")
+# Inside the installed package: a local path by definition.
+DEMO_DIR = str(pathlib.Path(__file__).absolute().parent.parent / "demo")
+DEMO_FILE = str(pathlib.Path(DEMO_DIR) / "demo.jsonl.gz")
 
 
 class Demo(Documents, skip_registration=True):

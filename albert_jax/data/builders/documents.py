@@ -28,13 +28,8 @@ import re
 from collections.abc import Callable, Iterator
 
 from albert_jax.data.builders.base import LocalTextBuilder, LocalTextConfig, Tally
-from albert_jax.data.builders.text_files import (
-    COMPRESSION_SUFFIXES,
-    decode_utf8,
-    open_binary,
-    read_lines,
-    stem,
-)
+from albert_jax.data.builders.text_files import COMPRESSION_SUFFIXES, decode_utf8, read_lines, stem
+from albert_jax.files import open_binary
 
 TEXT_FORMATS = ("auto", "jsonl", "document_per_file", "sentence_per_line")
 _JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")

@@ -1,32 +1,22 @@
-"""Finding and reading local (or gs://) input files for the document builders.
+"""Finding and reading the input files of the document builders, local or `gs://`.
 
-Paths go through `tf.io.gfile`, so the same patterns work on a laptop and on a TPU VM reading
-from a bucket. Compressed inputs (`.gz`, `.bz2`) are decompressed while streaming.
+Paths go through `albert_jax.files` (etils `epath`), so the same patterns work on a laptop and
+on a TPU VM reading from a bucket. Compressed inputs (gzip, bzip2) are decompressed while
+streaming (`files.open_binary`, by their magic bytes).
 """
 
 from __future__ import annotations
 
-import bz2
-import contextlib
-import gzip
 import os
-from collections.abc import Iterable, Iterator, Sequence
-from typing import BinaryIO
+from collections.abc import Iterable, Sequence
 
-import tensorflow as tf
+from albert_jax import files
 
-_GLOB_CHARS = frozenset("*?[")
 COMPRESSION_SUFFIXES = (".gz", ".bz2")
 
 
-def _walk(directory: str) -> Iterator[str]:
-    for root, _, names in tf.io.gfile.walk(directory):
-        for name in names:
-            yield os.path.join(root, name)
-
-
 def resolve_files(patterns: str | Sequence[str], suffixes: Sequence[str]) -> list[str]:
-    """Expands file patterns to a sorted, de-duplicated list of files.
+    """Expands file patterns to a sorted, de-duplicated list of files (absolute, or `gs://`).
 
     Each pattern is a file, a glob (`/data/wiki/*.bz2`, `gs://bucket/books/*.txt`) or a
     directory; a directory contributes every file below it whose name ends with one of
@@ -42,50 +32,39 @@ def resolve_files(patterns: str | Sequence[str], suffixes: Sequence[str]) -> lis
     found: set[str] = set()
     for pattern in patterns:
         pattern = os.fspath(pattern)
-        if any(c in _GLOB_CHARS for c in pattern):
-            matches = [p for p in tf.io.gfile.glob(pattern) if not tf.io.gfile.isdir(p)]
-        elif tf.io.gfile.isdir(pattern):
-            matches = [p for p in _walk(pattern) if p.endswith(tuple(suffixes))]
-        elif tf.io.gfile.exists(pattern):
-            matches = [pattern]
+        path = files.as_path(pattern)
+        is_dir = False
+        if any(c in files.GLOB_CHARS for c in pattern):
+            matches = [str(p) for p in files.glob(pattern) if not p.is_dir()]
+        elif path.is_dir():
+            is_dir = True
+            matches = [
+                str(root / name)
+                for root, _, names in path.walk()
+                for name in names
+                if name.endswith(tuple(suffixes))
+            ]
+        elif path.exists():
+            matches = [str(path)]
         else:
             raise ValueError(f"files: {pattern!r} does not exist")
         if not matches:
             raise ValueError(
                 f"files: {pattern!r} matches no file"
-                + (f" ending with one of {list(suffixes)}" if tf.io.gfile.isdir(pattern) else "")
+                + (f" ending with one of {list(suffixes)}" if is_dir else "")
             )
-        found.update(_absolute(p) for p in matches)
+        found.update(matches)
     return sorted(found)
-
-
-def _absolute(path: str) -> str:
-    return path if "://" in path else os.path.abspath(path)
-
-
-@contextlib.contextmanager
-def open_binary(path: str) -> Iterator[BinaryIO]:
-    """Opens `path` for streaming reads, decompressing `.gz` / `.bz2` on the fly."""
-    with tf.io.gfile.GFile(path, "rb") as raw:
-        if path.endswith(".gz"):
-            with gzip.GzipFile(fileobj=raw, mode="rb") as f:
-                yield f  # type: ignore[misc]
-        elif path.endswith(".bz2"):
-            # BZ2File reads multi-stream files (the Wikipedia "multistream" dumps) to the end.
-            with bz2.BZ2File(raw, mode="rb") as f:
-                yield f  # type: ignore[misc]
-        else:
-            yield raw  # type: ignore[misc]
 
 
 def stem(path: str) -> str:
     """File name without directory, compression and format suffixes: `a/emma.txt.gz` -> `emma`."""
-    name = os.path.basename(path)
+    name = path.rpartition("/")[2]
     for suffix in COMPRESSION_SUFFIXES:
         if name.endswith(suffix):
             name = name[: -len(suffix)]
-    root, ext = os.path.splitext(name)
-    return root if ext and root else name
+    root, dot, _ = name.rpartition(".")
+    return root if dot and root.strip(".") else name
 
 
 def decode_utf8(data: bytes) -> tuple[str, bool]:
@@ -102,6 +81,6 @@ def decode_utf8(data: bytes) -> tuple[str, bool]:
 
 def read_lines(path: str) -> Iterable[bytes]:
     """Streams the raw lines of a (possibly compressed) file, without line terminators."""
-    with open_binary(path) as f:
+    with files.open_binary(path) as f:
         for line in f:
             yield line.rstrip(b"\r\n")

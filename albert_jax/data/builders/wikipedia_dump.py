@@ -31,12 +31,11 @@ import os
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable, Iterator
 
-import tensorflow as tf
 from absl import logging
 
 from albert_jax.data.builders.base import LocalTextBuilder, LocalTextConfig, Tally
-from albert_jax.data.builders.text_files import open_binary
 from albert_jax.data.builders.wikitext import clean_page
+from albert_jax.files import as_path, open_binary
 
 _ARTICLE_NAMESPACE = "0"
 _CHUNK_BYTES = 1 << 20
@@ -143,7 +142,7 @@ class WikipediaDump(LocalTextBuilder, skip_registration=True):
         requested = getattr(self.config, "num_workers", 0)
         if requested:
             return requested
-        total = sum(tf.io.gfile.stat(f).length for f in files)
+        total = sum(as_path(f).stat().length for f in files)
         return 1 if total < _AUTO_PARALLEL_BYTES else min(os.cpu_count() or 1, _MAX_AUTO_WORKERS)
 
     def _read_documents(

@@ -1,0 +1,170 @@
+"""What the pretraining pipeline is given: its settings (`DataConfig`) and its documents
+(`DocumentSource`, or a spec of `albert_jax.data.sources` through `sources_from_spec`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from albert_jax import files
+from albert_jax.data import pretraining
+
+# Not part of a shard's fingerprint: where files live, how many workers build batches, and
+# `num_shards` (the shard index and count are fingerprinted on their own).
+_NOT_SEMANTIC = ("sources", "data_dir", "cache_dir", "num_workers", "prefetch", "num_shards")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What the pipeline needs from a config (see `from_config` for where each is read)."""
+
+    seq_len: int = 512  # tokens per sequence S
+    max_predictions_per_seq: int = 20  # P
+    batch_size: int = 4096  # global batch; each of the `num_shards` shards makes batch/n
+    objective: str = "sop"  # sop | nsp | none
+    # SOP's one-sentence chunks: "split" (cut the sentence in two; balanced labels) or
+    # "random_b" (the reference: B from another document, label 1). See pretraining.py.
+    sop_single_segment: str = "split"
+    seed: int = 0
+    short_seq_prob: float = 0.1
+    masked_lm_prob: float = 0.15
+    ngram: int = 3  # longest masked n-gram (whole words)
+    sources: str = ""  # spec for albert_jax.data.sources.parse_sources
+    data_dir: str | None = None  # TFDS data dir
+    # Tokenized cache, local or gs://; default: <data_dir>/albert_jax_cache for a local data
+    # dir, else the per-host ~/.cache/albert_jax/albert_jax_cache (see data/cache.py).
+    cache_dir: str | None = None
+    num_workers: int = 0  # batch/tokenization worker processes (0 = in this process)
+    prefetch: int = 2  # batches in flight per worker
+    # Data shards (0 = one per process). Fixing it makes the global batch independent of the
+    # number of processes; it must be a multiple of the process count and divide batch_size.
+    num_shards: int = 0
+
+    # (config field, DataConfig field): looked up in `config.data` first, then `config`.
+    _ALIASES = {"max_ngram": "ngram"}
+
+    @classmethod
+    def from_config(cls, config: Any, **overrides: Any) -> DataConfig:
+        """Reads a config-like object (ml_collections / dataclass / dict).
+
+        Top-level: seq_len, max_predictions_per_seq, batch_size, objective, seed. In `data`
+        (or top-level): sources, data_dir, cache_dir, short_seq_prob, masked_lm_prob,
+        max_ngram (or ngram), sop_single_segment, num_workers, prefetch, num_shards.
+        """
+        values: dict[str, Any] = {}
+        data = _get(config, "data")
+        names = {f.name for f in fields(cls)}
+        for name in names:
+            for where in (data, config):
+                if where is None:
+                    continue
+                for alias in [name, *[a for a, n in cls._ALIASES.items() if n == name]]:
+                    value = _get(where, alias)
+                    if value is not None and name not in values:
+                        values[name] = value
+        values.update(overrides)
+        cfg = cls(**values)
+        cfg.validate()
+        return cfg
+
+    def semantic(self) -> dict[str, Any]:
+        """The fields that determine the batches (not where files live, how many workers build
+        them, or `num_shards`: the shard index and count are fingerprinted on their own)."""
+        return {k: v for k, v in asdict(self).items() if k not in _NOT_SEMANTIC}
+
+    def shard_count(self, process_count: int = 1) -> int:
+        """Number of data shards of a run with `process_count` processes."""
+        return self.num_shards or process_count
+
+    def validate(self, process_count: int = 1) -> None:
+        if self.objective not in pretraining.OBJECTIVES:
+            raise ValueError(
+                f"objective must be one of {pretraining.OBJECTIVES} (got {self.objective!r})"
+            )
+        if self.sop_single_segment not in pretraining.SINGLE_SEGMENT_MODES:
+            raise ValueError(
+                f"sop_single_segment must be one of {pretraining.SINGLE_SEGMENT_MODES} "
+                f"(got {self.sop_single_segment!r})"
+            )
+        if self.seq_len < 5:
+            raise ValueError(f"seq_len must be >= 5 (got {self.seq_len})")
+        if self.max_predictions_per_seq < 1:
+            raise ValueError(
+                f"max_predictions_per_seq must be >= 1 (got {self.max_predictions_per_seq})"
+            )
+        if not 0.0 <= self.short_seq_prob <= 1.0:
+            raise ValueError(f"short_seq_prob must be in [0, 1] (got {self.short_seq_prob})")
+        if not 0.0 <= self.masked_lm_prob <= 1.0:
+            raise ValueError(f"masked_lm_prob must be in [0, 1] (got {self.masked_lm_prob})")
+        if self.ngram < 1:
+            raise ValueError(f"ngram (max_ngram) must be >= 1 (got {self.ngram})")
+        if self.num_shards < 0:
+            raise ValueError(
+                f"num_shards must be >= 0 (0 = one per process), got {self.num_shards}"
+            )
+        shards = self.shard_count(process_count)
+        if shards % process_count:
+            raise ValueError(
+                f"num_shards={self.num_shards} must be a multiple of process_count="
+                f"{process_count}: every process reads the same number of data shards"
+            )
+        if self.batch_size < 1 or self.batch_size % shards:
+            raise ValueError(
+                f"batch_size={self.batch_size} must be a positive multiple of the number of data "
+                f"shards {shards} (num_shards={self.num_shards}, process_count={process_count})"
+            )
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0 (got {self.num_workers})")
+
+
+def _get(obj: Any, name: str) -> Any:
+    if obj is None:
+        return None
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    try:
+        return getattr(obj, name)
+    except (AttributeError, KeyError):
+        return None
+
+
+@dataclass(frozen=True)
+class DocumentSource:
+    """A named, weighted document collection.
+
+    `documents(split, shard_index, shard_count)` yields `{"title", "text"}` dicts of one shard;
+    shards of different indices must be disjoint. `name` plus `cache_key` must identify the
+    content: they key the tokenized cache.
+    """
+
+    name: str
+    weight: float
+    documents: Callable[[str, int, int], Iterable[dict]]
+    cache_key: str = ""
+
+
+def sources_from_spec(spec: str, data_dir: str | None = None) -> list[DocumentSource]:
+    """`albert_jax.data.sources` spec -> DocumentSources reading TFDS."""
+    from albert_jax.data import sources as tfds_sources
+
+    out = []
+    for src in tfds_sources.parse_sources(spec):
+
+        def documents(split: str, shard_index: int, shard_count: int, _src=src) -> Iterable:
+            return tfds_sources.iter_documents(
+                _src,
+                split=split,
+                data_dir=data_dir,
+                shard_index=shard_index,
+                shard_count=shard_count,
+            )
+
+        # The same name may be built from other files or live in another data dir. Local paths
+        # are made absolute and gs:// paths kept as they are: the key never depends on the cwd.
+        key = json.dumps(
+            [[files.absolute(f) for f in src.files], files.absolute(data_dir) if data_dir else None]
+        )
+        out.append(DocumentSource(src.name, float(src.weight), documents, cache_key=key))
+    return out
