@@ -58,8 +58,8 @@ from albert_jax.finetune_config import (
     optimizer_config,
     validate_config,
 )
-from albert_jax.loop import Loop, fetch, process_rows
-from albert_jax.sharding import create_mesh
+from albert_jax.loop import Loop
+from albert_jax.sharding import create_mesh, fetch, process_rows
 from albert_jax.tasks import registry
 from albert_jax.tasks.batching import Features, eval_batches, train_batch
 from albert_jax.tasks.kinds import get_kind
@@ -313,8 +313,9 @@ class FineTuning:
             )
 
     def start(self, step: int, saved_data: Any, meta: Mapping[str, Any] | None) -> None:
-        del step, saved_data  # batches are a pure function of the step (`next_batch`)
+        del saved_data  # batches are a pure function of the step (`next_batch`)
         if meta is not None:  # resumed: the init report of the run's first start
+            logging.info("resumed fine-tuning at step %d from %s", step, self.workdir)
             self.report = meta.get("init")
             if self.report is None:  # checkpoints written before init reports went into meta
                 earlier = files.as_path(self.workdir) / EVAL_RESULTS_FILE
@@ -442,5 +443,6 @@ def finetune_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     if jax.process_index() == 0:
         results["prediction_files"] = objective.write_predictions()
         files.write_json(files.as_path(workdir) / EVAL_RESULTS_FILE, results)
-    logging.info("eval: %s", {k: v for k, v in objective.results.items() if _is_number(v)})
+    numbers = {k: v for k, v in objective.results.items() if _is_number(v)}
+    logging.info("eval: %s", ", ".join(f"{k} {v:.4g}" for k, v in numbers.items()))
     return results

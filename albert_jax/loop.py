@@ -42,11 +42,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import logging
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from albert_jax import checkpointing, flops, metrics_writer, optim, trees
-from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding
+from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, put_batch
+from albert_jax.train_config import config_field
 
 PyTree = Any
 Batch = Mapping[str, np.ndarray]
@@ -129,44 +129,6 @@ class Objective(Protocol):
         """Numeric `eval_*` metrics of `params` (logged with the step's record)."""
 
     def close(self) -> None: ...
-
-
-# ----------------------------------------------------------------------------------------------
-# Batches between the host and the devices
-
-
-def put_batch(batch: Batch, sharding: NamedSharding, global_batch: int) -> dict[str, jax.Array]:
-    """This process's rows [b, ...] → global arrays [global_batch, ...] sharded by `sharding`.
-
-    With several processes each one passes its own rows; `make_array_from_process_local_data`
-    puts them in the global rows that the process's devices hold, which the mesh decides: rows
-    [p·b, (p+1)·b) for process p when the mesh lists devices in process order, as on CPU.
-    The explicit global shape turns a mesh that does not split the batch over the processes
-    into an error instead of a silently smaller batch.
-    """
-    if jax.process_count() == 1:
-        return jax.device_put(dict(batch), sharding)
-    # An explicit transfer; the guard around the loop would count it as implicit.
-    with jax.transfer_guard("allow"):
-        return {
-            k: jax.make_array_from_process_local_data(sharding, v, (global_batch, *v.shape[1:]))
-            for k, v in batch.items()
-        }
-
-
-def process_rows(batch: Batch) -> dict[str, np.ndarray]:
-    """This process's rows [p·B/n, (p+1)·B/n) of a global host batch [B, ...] that every
-    process holds whole (fine-tuning features)."""
-    rows = len(next(iter(batch.values()))) // jax.process_count()
-    start = jax.process_index() * rows
-    return {k: v[start : start + rows] for k, v in batch.items()}
-
-
-def fetch(tree: PyTree) -> PyTree:
-    """Device arrays → host numpy, whole on every process (rows of all processes)."""
-    if jax.process_count() == 1:
-        return jax.device_get(tree)
-    return multihost_utils.process_allgather(tree, tiled=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,12 +249,6 @@ class _Pending:
     step: int
     metrics: dict[str, jax.Array]
     eval: dict[str, Any] | None = None
-
-
-def _debug(config: Any, name: str) -> int:
-    debug = config.get("debug") if hasattr(config, "get") else None
-    value = debug.get(name) if debug is not None and hasattr(debug, "get") else None
-    return int(value or 0)
 
 
 class Loop:
@@ -430,8 +386,8 @@ class Loop:
             self.checkpointer.wait()
             return {**self.last_record, "step": start, "preempted": False,
                     "checkpoint_step": self.checkpointer.latest_step()}  # fmt: skip
-        sigterm_after = _debug(self.config, "sigterm_after_step")
-        sigkill_after_save = _debug(self.config, "sigkill_after_save_at_step")
+        sigterm_after = int(config_field(self.config, "debug.sigterm_after_step", 0))
+        sigkill_after_save = int(config_field(self.config, "debug.sigkill_after_save_at_step", 0))
         single_process = jax.process_count() == 1
         # Single process: SIGTERM sets a flag read at step boundaries. Several: JAX's
         # preemption service owns SIGTERM and the processes agree on the save step (Orbax).

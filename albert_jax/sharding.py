@@ -1,4 +1,5 @@
-"""Mesh construction and the one table that maps logical axes to mesh axes.
+"""Mesh construction, the one table that maps logical axes to mesh axes, and batches between
+the host and the devices.
 
 Mesh axes: `data` (replicas), `fsdp` (parameters and optimizer state sharded, batch split too),
 `tensor` (heads / mlp / vocab split). Parameter names (`vocab, embed, embed_factor, mlp, heads,
@@ -8,12 +9,16 @@ that FSDP-sharding the `embed` dim of weights never shards the feature dim of ac
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+PyTree = Any
+Batch = Mapping[str, np.ndarray]
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # logical axis -> mesh axis (or axes, or None = replicated)
@@ -70,3 +75,41 @@ def create_mesh(
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of a [B, ...] input batch: B split over (data, fsdp)."""
     return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches between the host and the devices (the loop and the objectives)
+
+
+def put_batch(batch: Batch, sharding: NamedSharding, global_batch: int) -> dict[str, jax.Array]:
+    """This process's rows [b, ...] → global arrays [global_batch, ...] sharded by `sharding`.
+
+    With several processes each one passes its own rows; `make_array_from_process_local_data`
+    puts them in the global rows that the process's devices hold, which the mesh decides: rows
+    [p·b, (p+1)·b) for process p when the mesh lists devices in process order, as on CPU.
+    The explicit global shape turns a mesh that does not split the batch over the processes
+    into an error instead of a silently smaller batch.
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(dict(batch), sharding)
+    # An explicit transfer; the guard around the loop would count it as implicit.
+    with jax.transfer_guard("allow"):
+        return {
+            k: jax.make_array_from_process_local_data(sharding, v, (global_batch, *v.shape[1:]))
+            for k, v in batch.items()
+        }
+
+
+def process_rows(batch: Batch) -> dict[str, np.ndarray]:
+    """This process's rows [p·B/n, (p+1)·B/n) of a global host batch [B, ...] that every
+    process holds whole (fine-tuning features)."""
+    rows = len(next(iter(batch.values()))) // jax.process_count()
+    start = jax.process_index() * rows
+    return {k: v[start : start + rows] for k, v in batch.items()}
+
+
+def fetch(tree: PyTree) -> PyTree:
+    """Device arrays → host numpy, whole on every process (rows of all processes)."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    return multihost_utils.process_allgather(tree, tiled=True)
