@@ -1,6 +1,6 @@
 """Analytic training FLOPs of ALBERT (and BERT) and model FLOPs utilization (MFU).
 
-Counting rules (PERF_ANCHORS.md §4), for one sequence of S tokens with P predicted positions:
+Counting rules, for one sequence of S tokens with P predicted positions:
 - every one of the L × inner_group_num layer applications costs its full matmuls: parameter
   sharing saves memory and all-reduce bytes, not FLOPs;
 - a layer: Q, K, V, O projections 4·H² and the FFN 2·H·F (F = intermediate_size) multiply-adds
@@ -45,7 +45,8 @@ class ModelShape:
     inner_group_num: int = 1
 
 
-#: Official shapes (ALBERT_REFERENCE.md §2); BERT has no factorization (E = H) and V = 30522.
+#: Official shapes (paper Table 1, the official albert_config.json files); BERT has no
+#: factorization (E = H) and V = 30522.
 REFERENCE_SHAPES: dict[str, ModelShape] = {
     "albert-base": ModelShape(30000, 128, 768, 12, 12, 3072),
     "albert-large": ModelShape(30000, 128, 1024, 24, 16, 4096),
@@ -171,7 +172,7 @@ def train_flops_per_step(
 # Peaks
 
 # Dense peak FLOP/s per device by `device_kind` (first matching substring wins, so specific
-# names come first). bf16: vendor sheets (PERF_ANCHORS.md header; v6e from the Cloud TPU docs).
+# names come first). bf16: vendor data sheets (v6e from the Cloud TPU docs).
 # float32 on TPU: JAX's default matmul precision runs an f32 matmul as one bf16 pass, so the bf16
 # peak applies. float32 on GPU: the non-tensor-core FP32 figure (TF32 is a different mode).
 _PEAKS: tuple[tuple[str, float, float], ...] = (

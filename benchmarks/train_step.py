@@ -18,7 +18,7 @@ interleaving spreads the drift of a shared machine over all of them, so same-run
 - hf_torch: transformers `AlbertForPreTraining` with `labels` = -100 outside the masked
   positions, `torch.optim.AdamW`, eval mode (no dropout), torch threads = CPU cores.
 
-MFU counts model FLOPs honestly (`albert_jax.flops`, PERF_ANCHORS.md §4): every layer
+MFU counts model FLOPs honestly (`albert_jax.flops`): every layer
 application, attention, the E→H projection, the MLM head on the predicted positions only, the
 pooler and SOP classifier, training = 3 × forward; the last layer counts its keys and values at
 all S tokens and the rest at the 1 + P rows the loss reads, which is what the task needs (and

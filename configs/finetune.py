@@ -9,7 +9,7 @@ Arg keys:
          (a baseline: `size` preset + `data.tokenizer`)
 
 GLUE, SQuAD and RACE presets are the paper's (Table 14 = the official run_glue.sh; SQuAD and
-RACE from the official README; see ALBERT_REFERENCE.md Sec. 7): learning rate, batch, steps,
+RACE from the official ALBERT README): learning rate, batch, steps,
 warmup, max length and ALBERT dropout; classifier dropout 0.1 everywhere; AdamW (eps 1e-6,
 weight decay 0.01, no decay on LayerNorm / bias), linear warmup then linear decay, clip 1.0.
 Local-task presets are sized for a small model on a CPU.
@@ -37,7 +37,7 @@ GLUE_PRESETS: dict[str, tuple[float, int, int, int, int, float]] = {
     "rte": (3e-5, 32, 800, 200, 512, 0.1),
     "mrpc": (2e-5, 32, 800, 200, 512, 0.0),
 }
-# Local sets (shared/data/tasks), sized for a tiny model on CPU: a few epochs at most.
+# Local labelled sets, sized for a tiny model on CPU: a few epochs at most.
 LOCAL_PRESETS: dict[str, tuple[float, int, int, int, int, float]] = {
     "sentiment_rt": (3e-4, 32, 800, 80, 64, 0.0),  # ~3 epochs
     "sentiment_rt_score": (3e-4, 32, 800, 80, 64, 0.0),

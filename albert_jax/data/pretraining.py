@@ -1,6 +1,6 @@
 """Pretraining examples: documents -> sentences -> token stream -> A/B instances -> masked batch.
 
-Follows ALBERT's `create_pretraining_data.py` (see ALBERT_REFERENCE.md §5):
+Follows the official ALBERT `create_pretraining_data.py`:
 
 * `tokenize_documents`: each document is split into sentences (`sentences.split_sentences`),
   normalized and tokenized; empty sentences and empty documents are dropped (and counted).
@@ -456,7 +456,7 @@ def build_batch(
     mask_id: int = 4,
     pad_id: int = 0,
 ) -> dict[str, np.ndarray]:
-    """Instance rows -> one fixed-shape batch (DESIGN.md contract).
+    """Instance rows -> one fixed-shape batch (the batch contract of `albert_jax.data.pipeline`).
 
     Returns input_ids, segment_ids, input_mask [B,S] int32; masked_lm_positions,
     masked_lm_ids [B,P] int32; masked_lm_weights [B,P] float32; sentence_order_label [B] int32.

@@ -75,7 +75,7 @@ class BatchBuilder:
 
 
 class PretrainingIterator:
-    """Endless iterator of one data shard's batches (DESIGN.md batch contract).
+    """Endless iterator of one data shard's batches (the batch contract of `data.pipeline`).
 
     `process_index` / `process_count` name the shard and the number of shards: with one shard
     per process (the default) that is the process; `ShardedIterator` gives a process several.
