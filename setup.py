@@ -46,6 +46,10 @@ setup(
             "nbclient>=0.10",
             "nbformat>=5.10",
             "ipykernel>=6.29",
+            # tests/gcs.py: a local Cloud Storage emulator for the gs:// tests (and gcsfs, the
+            # fsspec client checked against it).
+            "gcp-storage-emulator>=2026.7.19",
+            "gcsfs>=2024.2",
         ],
         # HF interop: PyTorch CPU build (install torch==2.13.0 first to avoid CUDA wheels).
         # transformers 4.x: v5 dropped load_tf_weights_in_albert and Flax ALBERT (our peers).

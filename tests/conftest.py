@@ -20,6 +20,7 @@ if REPO not in sys.path:
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from gcs import start as start_gcs_emulator  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -66,3 +67,19 @@ def tokenizer(tmp_path_factory, shared_data):
                 texts.extend(sentences.split_sentences(doc["text"]))
         train_tokenizer(texts, str(path), vocab_size=3000, max_sentences=15000)
     return Tokenizer(str(path) + ".model")
+
+
+@pytest.fixture(scope="session")
+def gcs():
+    """A local Cloud Storage emulator (tests/gcs.py) with one bucket, `gcs.bucket`, for the
+    whole session; this process's environment points every client at it (tensorstore, gcsfs,
+    tf.io.gfile and so TFDS / TensorBoard / epath, array_record) until the session ends.
+    `gcs.url(path)` is "gs://bucket/path"; child processes inherit the environment, or get
+    `gcs.subprocess_env()`. TF's GCS file system reads its environment once per process, so
+    request this fixture before anything in the session touches gs://."""
+    emulator = start_gcs_emulator()
+    emulator.activate()
+    try:
+        yield emulator
+    finally:
+        emulator.stop()
