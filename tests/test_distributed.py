@@ -10,6 +10,9 @@ by the two processes (FSDP shards spread over both) restores in one process, exa
 training goes on from it on the same batches. The 2-process run is preempted on the way:
 process 0 alone gets SIGTERM after step 2 (one host's notice), JAX's preemption service passes
 it on, both processes agree on that step, save it and exit; a second 2-process job resumes it.
+The 2-process jobs run as on a pod: their workdir is in Cloud Storage (a local emulator,
+tests/gcs.py), the 1-process resume starts from a copy of their step-3 checkpoint there, and
+nothing may be written to their local working directory.
 
 The tiny model and corpus are those of test_train.py (Austen as a TFDS dataset, a 1000-piece
 tokenizer). XLA's CPU backend is asked for unoptimized code (`--xla_backend_optimization_level=0`)
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -32,6 +34,7 @@ import jax
 import numpy as np
 import pytest
 import test_train
+from etils import epath
 from test_train import (
     assert_trees_equal,
     losses_by_step,
@@ -99,7 +102,7 @@ def assert_one_writer(workdir: str, steps: int, jobs: int) -> None:
     A second writer would repeat the lines and add an event file of its own."""
     records = metrics_writer.read_metrics(workdir)
     assert [r["step"] for r in records if "loss" in r] == list(range(1, steps + 1))
-    events = os.listdir(os.path.join(workdir, metrics_writer.TENSORBOARD_DIR))
+    events = [p.name for p in (epath.Path(workdir) / metrics_writer.TENSORBOARD_DIR).iterdir()]
     assert len([f for f in events if f.startswith("events.out.tfevents")]) == jobs, events
 
 
@@ -108,7 +111,7 @@ class Job:
     once under one `jax.distributed` coordinator; `wait()` collects them. Their output goes to
     files (no pipe to fill)."""
 
-    def __init__(self, workdir, args, env, log_dir, *, processes):
+    def __init__(self, workdir, args, env, log_dir, *, processes, cwd=REPO):
         coordinator = f"127.0.0.1:{free_port()}"
         self.workdir = str(workdir)
         name = os.path.basename(self.workdir)
@@ -124,7 +127,7 @@ class Job:
                     self.procs.append(
                         subprocess.Popen(
                             args + distributed,
-                            cwd=REPO,
+                            cwd=cwd,
                             env=env,
                             stdout=log,
                             stderr=subprocess.STDOUT,
@@ -164,9 +167,12 @@ class Job:
         return Run(self.workdir, [p.returncode for p in self.procs], logs)
 
 
-def pretrain_job(workdir, overrides, log_dir, *, processes, devices, jax_cache=None) -> Job:
+def pretrain_job(
+    workdir, overrides, log_dir, *, processes, devices, jax_cache=None, cwd=None
+) -> Job:
     """The tiny pretraining config with `overrides` as a `Job` of `devices` CPU devices per
-    process, at XLA's lowest backend optimization level (see the module docstring)."""
+    process, at XLA's lowest backend optimization level (see the module docstring); run in
+    `cwd` when given (the config file then by its absolute path), else in the repository."""
     args, env = main_command(
         workdir,
         overrides,
@@ -178,17 +184,38 @@ def pretrain_job(workdir, overrides, log_dir, *, processes, devices, jax_cache=N
     if jax_cache:
         env["JAX_COMPILATION_CACHE_DIR"] = jax_cache
         env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    return Job(workdir, args, env, log_dir, processes=processes)
+    if cwd is None:
+        return Job(workdir, args, env, log_dir, processes=processes)
+    args = [a.replace("--config=configs/", f"--config={REPO}/configs/") for a in args]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
+    return Job(workdir, args, env, log_dir, processes=processes, cwd=cwd)
+
+
+def _copy_tree(src: epath.Path, dst: epath.Path) -> None:
+    """Copies a directory tree file by file (local or gs:// on either side)."""
+    for child in src.iterdir():
+        if child.is_dir():
+            _copy_tree(child, dst / child.name)
+        else:
+            dst.mkdir(parents=True, exist_ok=True)
+            (dst / child.name).write_bytes(child.read_bytes())
 
 
 @pytest.fixture(scope="module")
-def runs(corpus, tmp_path_factory):
+def runs(corpus, tmp_path_factory, gcs):
     """Jobs on the same config, one after the other: 2 processes × 4 devices (`dist`,
     preempted after step 2 and restarted: two jobs in one workdir), 1 process × 8 devices with
     the same 2 data shards (`single`), and 1 process × 8 devices resuming from the 2-process
     checkpoint of step 3 (`resumed`; another workdir, `config.resume_from`). Run side by side,
-    they only slowed each other down on 2 cores."""
+    they only slowed each other down on 2 cores.
+
+    The 2-process jobs work as on a pod: their workdir, and the checkpoint `resumed` starts
+    from, are in Cloud Storage (the local emulator of `gcs`), and they run in an empty local
+    directory that must stay empty."""
     root = tmp_path_factory.mktemp("distributed")
+    dist_workdir = gcs.url("test_distributed/dist")
+    pod_cwd = root / "pod_cwd"  # the 2-process jobs' working directory
+    pod_cwd.mkdir()
     base = small_overrides(
         corpus,
         num_train_steps=STEPS,
@@ -204,24 +231,24 @@ def runs(corpus, tmp_path_factory):
         preempted_logs = root / "preempted"  # the restart writes logs of the same names
         os.makedirs(preempted_logs)
         preempted = {**base, "debug.sigterm_after_step": SIGTERM_AFTER}
-        jobs.append(pretrain_job(root / "dist", preempted, preempted_logs, processes=2, devices=4))
+        jobs.append(pretrain_job(dist_workdir, preempted, preempted_logs, processes=2, devices=4,
+                                 cwd=pod_cwd))  # fmt: skip
         out["preempted"] = jobs[-1].wait()
-        if os.path.isdir(checkpointing.checkpoint_dir(str(root / "dist"))):
-            with checkpointing.Checkpointer(str(root / "dist"), read_only=True) as ckpt:
+        if epath.Path(checkpointing.checkpoint_dir(dist_workdir)).is_dir():
+            with checkpointing.Checkpointer(dist_workdir, read_only=True) as ckpt:
                 out["preempted_steps"] = ckpt.all_steps()
-        jobs.append(pretrain_job(root / "dist", base, root, processes=2, devices=4))
+        jobs.append(pretrain_job(dist_workdir, base, root, processes=2, devices=4, cwd=pod_cwd))
         out["dist"] = jobs[-1].wait()
+        out["pod_cwd_files"] = sorted(os.listdir(pod_cwd))
         single_overrides = {**base, "data.num_shards": 2}
         jobs.append(pretrain_job(root / "single", single_overrides, root, processes=1, devices=8,
                                  jax_cache=jax_cache))  # fmt: skip
         out["single"] = jobs[-1].wait()
         # The 2-process checkpoint of step 3 alone (the job's latest is the final step 5).
-        source = root / "dist_step3"
-        if os.path.isdir(checkpointing.checkpoint_dir(str(root / "dist"))):
-            shutil.copytree(
-                os.path.join(checkpointing.checkpoint_dir(str(root / "dist")), str(RESUME_STEP)),
-                os.path.join(checkpointing.checkpoint_dir(str(source)), str(RESUME_STEP)),
-            )
+        source = gcs.url("test_distributed/dist_step3")
+        saved = epath.Path(checkpointing.checkpoint_dir(dist_workdir)) / str(RESUME_STEP)
+        if saved.is_dir():
+            _copy_tree(saved, epath.Path(checkpointing.checkpoint_dir(source)) / str(RESUME_STEP))
         # No data.num_shards: the run takes the checkpoint's 2 shards, both read by one process.
         resumed_overrides = {**base, "resume_from": source}
         jobs.append(pretrain_job(root / "resumed", resumed_overrides, root, processes=1,
@@ -275,7 +302,9 @@ def test_only_process_zero_writes_metrics(runs):
     dist.check()
     assert_one_writer(dist.workdir, STEPS, jobs=2)  # the preempted job and its restart
     assert all("loss" in r for r in metrics_writer.read_metrics(dist.workdir))  # no other lines
-    assert os.path.isfile(os.path.join(dist.workdir, metrics_writer.LEARNING_CURVE_FILE))
+    assert (epath.Path(dist.workdir) / metrics_writer.LEARNING_CURVE_FILE).is_file()
+    assert dist.workdir.startswith("gs://")
+    assert runs["pod_cwd_files"] == []  # nothing of the job was written locally
     assert f"step {STEPS}/{STEPS} | loss" in dist.logs[0]
     assert "| loss" not in dist.logs[1]
 
