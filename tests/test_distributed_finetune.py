@@ -4,10 +4,11 @@ in this process on 8 devices: sentiment_rt from scratch on the `tiny` preset, 12
 on, params sharded over a (data 2, fsdp 2, tensor 2) mesh, checkpoints every 4 steps.
 
 Every process reads the whole global batch and puts only its own rows on its devices
-(`finetune._put`); predictions come back to every process from both (`finetune._fetch`), and only
-process 0 writes metrics, predictions and results. The 2-process run is preempted on the way:
-process 0 alone gets SIGTERM after step 6 (one host's notice), JAX's preemption service passes
-it on and makes both agree on that step to save, and a second 2-process job resumes from it.
+(`sharding.process_rows`); predictions come back to every process from both
+(`sharding.fetch`), and only process 0 writes metrics, predictions and results. The 2-process
+run is preempted on the way: process 0 alone gets SIGTERM after step 6 (one host's notice),
+JAX's preemption service passes it on and makes both agree on that step to save, and a second
+2-process job resumes from it.
 The result must still match the 1-process run step by step (to fp32 rounding: the collectives
 now cross processes), predict the same labels, and the checkpoint the two processes write
 together must hold the same parameters.
