@@ -71,26 +71,15 @@ class TrainState:
 
 class Objective(Protocol):
     """Pretraining (MLM + SOP on the data pipeline) or fine-tuning (a task kind on its
-    features): everything the loop does not decide itself.
+    features): everything the loop does not decide itself."""
 
-    Attributes:
-      total_steps: the run's number of updates.
-      global_batch: rows of one training batch over all processes.
-      microbatches: gradient accumulation steps per update (1: none).
-      flops_per_step: model FLOPs of one update over the global batch, or None (no MFU).
-      eval_every_steps: evaluate every that many steps (0: never during training).
-      final_eval: also evaluate after the last step (and on a run that has nothing left to
-        train), even when `eval_every_steps` is 0.
-      eval_reduces: `eval_fn` returns sums over the batch (replicated), not rows.
-    """
-
-    total_steps: int
-    global_batch: int
-    microbatches: int
-    flops_per_step: float | None
-    eval_every_steps: int
-    final_eval: bool
-    eval_reduces: bool
+    total_steps: int  # updates of the run
+    global_batch: int  # rows of one training batch over all processes
+    microbatches: int  # gradient accumulation steps per update (1: none)
+    flops_per_step: float | None  # model FLOPs of one update (global batch); None: no MFU
+    eval_every_steps: int  # evaluate every that many steps (0: only as `final_eval` says)
+    final_eval: bool  # evaluate after the last step (at once if nothing is left to train)
+    eval_reduces: bool  # eval_fn returns sums over the batch (replicated), not rows
 
     def init_variables(self, rng: jax.Array) -> PyTree:
         """The boxed (logical-axis annotated) params tree of a random init."""
@@ -275,7 +264,17 @@ class Loop:
         self.objective, self.config, self.workdir, self.mesh = objective, config, workdir, mesh
         self.total = objective.total_steps
         self.peak, self.chips = peak or (None, 0)
+        # Everything the run opens is closed in reverse order by `close()`, or right here
+        # when starting fails (a refused resume must not leave the mesh set in the process).
         self._stack = contextlib.ExitStack()
+        try:
+            self._start(objective, config, workdir, mesh)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _start(self, objective: Objective, config: Any, workdir: str, mesh: Mesh) -> None:
+        self._stack.callback(objective.close)
         self._stack.enter_context(jax.set_mesh(mesh))
         self._stack.enter_context(nn.logical_axis_rules(LOGICAL_AXIS_RULES))
         self.batch_sharding = batch_sharding(mesh)
@@ -285,7 +284,9 @@ class Loop:
         self.checkpointer = checkpointing.Checkpointer(
             workdir, every_steps=every, keep=int(config.keep_checkpoints)
         )
+        self._stack.callback(self.checkpointer.close)
         self.writer = metrics_writer.MetricsWriter(workdir, enabled=jax.process_index() == 0)
+        self._stack.callback(self.writer.close)
         shardings = self.layout.shardings
         self.train_step = jax.jit(
             make_step(
@@ -495,9 +496,5 @@ class Loop:
         )
 
     def close(self) -> None:
-        try:
-            self.objective.close()
-            self.checkpointer.close()
-            self.writer.close()
-        finally:
-            self._stack.close()
+        """Waits for saves, closes the writer and the objective's data, leaves the mesh."""
+        self._stack.close()
