@@ -127,6 +127,8 @@ def test_resume_on_other_data_is_refused(runs, shared_data):
             finetune.finetune_and_evaluate(config, runs["chain"])
         key = "seed" if "seed" in override else "train_fingerprint"
         assert key in str(error.value)
+        # The refused start closed what it opened: no mesh is left set in this process.
+        assert jax.sharding.get_abstract_mesh().empty
 
 
 _RESTORE = textwrap.dedent(
