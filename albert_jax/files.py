@@ -15,6 +15,7 @@ import io
 import json
 import os
 import re
+import tempfile
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO
@@ -24,6 +25,8 @@ from etils import epath
 PathLike = str | os.PathLike
 
 GLOB_CHARS = "*?["
+_STAGE_IN_MEMORY = 64 << 20  # bytes of a remote write kept in memory before spilling
+_UPLOAD_CHUNK = 16 << 20
 COPY_CHUNK = 16 << 20  # bytes per read of a streamed copy
 # "BZh", the block size 1-9, then the first block's magic (pi in BCD) or an empty stream's.
 _BZIP2_MAGIC = re.compile(rb"BZh[1-9](1AY&SY|\x17rE8P\x90)", re.DOTALL)
@@ -75,8 +78,15 @@ def open_atomic(path: PathLike) -> Iterator[BinaryIO]:
     target = as_path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     if not is_local(target):
-        with target.open("wb") as f:  # the object appears when the upload completes
-            yield f
+        # Staged on this host (memory, then a local temp file) and uploaded only on success:
+        # closing a remote file commits what was written, so an error midway would publish
+        # a truncated object.
+        with tempfile.SpooledTemporaryFile(max_size=_STAGE_IN_MEMORY) as staged:
+            yield staged  # type: ignore[misc]
+            staged.seek(0)
+            with target.open("wb") as f:
+                while chunk := staged.read(_UPLOAD_CHUNK):
+                    f.write(chunk)
         return
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
     try:
