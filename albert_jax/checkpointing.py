@@ -62,7 +62,7 @@ def checkpoint_dir(workdir: str) -> str:
     return str(files.as_path(workdir) / CHECKPOINTS_DIR)
 
 
-def checkpoint_meta(config: ModelConfig, step: int, **extra: Any) -> dict[str, Any]:
+def checkpoint_meta(config: ModelConfig, step: int, /, **extra: Any) -> dict[str, Any]:
     """The `meta` item of a training checkpoint: `{"model_config", "step", **extra}`
     (`load_pretrained` rebuilds the model from `model_config`)."""
     return {"model_config": config.to_dict(), "step": int(step), **extra}

@@ -65,7 +65,7 @@ from albert_jax.tasks.batching import Features, eval_batches, train_batch
 from albert_jax.tasks.kinds import get_kind
 from albert_jax.tasks.local import ReadStats
 from albert_jax.tasks.registry import TaskSpec
-from albert_jax.train_config import mesh_layout
+from albert_jax.train_config import mesh_layout, write_run_config
 
 __all__ = [
     "finetune_and_evaluate",
@@ -211,6 +211,9 @@ class FineTuning:
             [len(s.examples) for s in self.eval_sets],
             time.perf_counter() - start,
         )
+        for eval_set, features in zip(self.eval_sets, self.eval_features, strict=True):
+            if not len(features):  # found now, not after training
+                raise ValueError(f"eval set {eval_set.name!r} has no examples")
         self.total_steps = self._num_train_steps()
         if len(self.train_features) == 0 and self.total_steps > 0:
             raise ValueError(f"no training examples for task {config.task!r}")
@@ -327,7 +330,6 @@ class FineTuning:
 
     def meta(self) -> dict[str, Any]:
         return {
-            "model_config": self.model_config.to_dict(),
             "task": self.config.task,
             "head": heads.head_name(self.model),
             "num_labels": self.spec.num_labels,
@@ -343,14 +345,12 @@ class FineTuning:
         self.predictions = []
         keys = self.kind.predict_inputs  # labels stay on the host
         for eval_set, features in zip(self.eval_sets, self.eval_features, strict=True):
-            if not len(features):
-                raise ValueError(f"eval set {eval_set.name!r} has no examples")
             arrays = {k: features.arrays[k] for k in keys}
             gathered: dict[str, list[np.ndarray]] = {}
             for batch in eval_batches(arrays, self.config.eval_batch_size):
                 real = batch.pop("example_weight") > 0
                 rows = len(real)
-                out = fetch(loop.eval_step(params, process_rows(batch), rows))
+                out = fetch(loop.eval_step(params, loop.put(process_rows(batch), rows)))
                 for k, v in out.items():
                     gathered.setdefault(k, []).append(np.asarray(v)[real])
             outputs = {k: np.concatenate(v) for k, v in gathered.items()}
@@ -420,11 +420,7 @@ def finetune_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     """
     spec = validate_config(config)
     workdir = files.absolute(workdir)
-    if jax.process_index() == 0:
-        files.write_atomic(
-            files.as_path(workdir) / "config.json",
-            config.to_json_best_effort(indent=2, sort_keys=True) + "\n",
-        )
+    write_run_config(config, workdir)
     mesh = create_mesh(*mesh_layout(config))
     objective = FineTuning(config, workdir, spec, mesh)
     loop = Loop(objective, config, workdir, mesh)

@@ -80,6 +80,7 @@ class Objective(Protocol):
     eval_every_steps: int  # evaluate every that many steps (0: only as `final_eval` says)
     final_eval: bool  # evaluate after the last step (at once if nothing is left to train)
     eval_reduces: bool  # eval_fn returns sums over the batch (replicated), not rows
+    model_config: Any  # the `ModelConfig` saved with every checkpoint
 
     def init_variables(self, rng: jax.Array) -> PyTree:
         """The boxed (logical-axis annotated) params tree of a random init."""
@@ -112,7 +113,7 @@ class Objective(Protocol):
         """JSON saved with the checkpoint of `step`: what fixes the batches after it."""
 
     def meta(self) -> dict[str, Any]:
-        """JSON saved with every checkpoint (model config, ...); the loop adds "step"."""
+        """JSON saved with every checkpoint besides the model config and step."""
 
     def evaluate(self, loop: Loop, params: PyTree) -> dict[str, Any]:
         """Numeric `eval_*` metrics of `params` (logged with the step's record)."""
@@ -347,10 +348,13 @@ class Loop:
         return state, restored.step
 
     # --------------------------------------------------------------------------- evaluation
-    def eval_step(self, params: PyTree, local_batch: Batch, global_batch: int) -> PyTree:
-        """The objective's `eval_fn` on this process's rows of a batch (`global_batch` rows
-        over all processes); outputs stay on the devices."""
-        return self._eval_step(params, put_batch(local_batch, self.batch_sharding, global_batch))
+    def put(self, local_batch: Batch, global_batch: int) -> dict[str, jax.Array]:
+        """This process's rows of a batch → global arrays [global_batch, ...] on the mesh."""
+        return put_batch(local_batch, self.batch_sharding, global_batch)
+
+    def eval_step(self, params: PyTree, batch: Mapping[str, jax.Array]) -> PyTree:
+        """The objective's `eval_fn` on a batch placed by `put`; outputs stay on the devices."""
+        return self._eval_step(params, batch)
 
     def _evaluate(self, params: PyTree) -> dict[str, Any]:
         jax.block_until_ready(params)  # the training step is not evaluation time
@@ -382,8 +386,8 @@ class Loop:
             if self.objective.final_eval:
                 self.last_record = self._evaluate(self.state.params)
                 self.writer.write(start, self.last_record)
-            if self.checkpointer.latest_step() is None:  # e.g. evaluation only: keep the model
-                self._save(start, force=True)
+                if self.checkpointer.latest_step() is None:  # evaluation only: keep the model
+                    self._save(start, force=True)
             self.checkpointer.wait()
             return {**self.last_record, "step": start, "preempted": False,
                     "checkpoint_step": self.checkpointer.latest_step()}  # fmt: skip
@@ -409,16 +413,21 @@ class Loop:
                 if pending is not None:
                     self._finish(pending)
                 pending = _Pending(step, metrics)
-                if self._eval_due(step):
-                    pending.eval = self._evaluate(self.state.params)
                 if step == sigterm_after:
                     checkpointing.send_preemption_notice()
                 preempted = signal_flag is not None and signal_flag.requested
-                if preempted or step == total or self.checkpointer.should_save(step):
-                    self._finish(pending)  # never checkpoint a state not checked finite
+                save = preempted or step == total or self.checkpointer.should_save(step)
+                if save or self._eval_due(step):
+                    # Never checkpoint or evaluate a state not checked finite; save first, so
+                    # that a failing evaluation cannot lose the trained state.
+                    values = self._check(pending)
+                    if save:
+                        self._save(step, force=preempted or step == total)
+                    if self._eval_due(step):
+                        pending.eval = self._evaluate(self.state.params)
+                    self._log(pending, values)
                     pending = None
-                    self._save(step, force=preempted or step == total)
-                    if step == sigkill_after_save:
+                    if save and step == sigkill_after_save:
                         os.kill(os.getpid(), signal.SIGKILL)
                 if not single_process and self.checkpointer.reached_preemption(step):
                     preempted = True
@@ -442,21 +451,30 @@ class Loop:
                 params=self.state.params,
                 opt_state=self.state.opt_state,
                 data=self.objective.data_state(step),
-                meta={**self.objective.meta(), "step": step},
+                meta=checkpointing.checkpoint_meta(
+                    self.objective.model_config, step, **self.objective.meta()
+                ),
                 force=force,
             )
         self._excluded += time.perf_counter() - start
 
     def _finish(self, pending: _Pending) -> None:
-        """Fetches a step's metrics, stops on non-finite values, logs on log steps."""
+        self._log(pending, self._check(pending))
+
+    def _check(self, pending: _Pending) -> dict[str, float]:
+        """Fetches a step's metrics; stops on non-finite values."""
         values = {k: float(v) for k, v in jax.device_get(pending.metrics).items()}
         bad = [k for k in ("loss", "grad_norm", "param_norm") if not math.isfinite(values[k])]
         if bad:
             self._diverged(pending.step, values, bad)
-        now = time.perf_counter()
         if self._interval is None:  # the first step includes compilation: start timing after it
-            self._interval = (pending.step, now)
+            self._interval = (pending.step, time.perf_counter())
             self._excluded = 0.0
+        return values
+
+    def _log(self, pending: _Pending, values: dict[str, float]) -> None:
+        """Writes the record of a log step (or of a step with evaluation results)."""
+        now = time.perf_counter()
         log_step = pending.step % int(self.config.log_every_steps) == 0
         if not (log_step or pending.step == self.total or pending.eval):
             return

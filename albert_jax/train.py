@@ -40,7 +40,7 @@ from albert_jax.resume import (
     saved_num_shards,
 )
 from albert_jax.sharding import create_mesh
-from albert_jax.train_config import config_field, validate_config
+from albert_jax.train_config import config_field, validate_config, write_run_config
 from albert_jax.train_step import (
     PretrainingModel,
     create_train_state,
@@ -85,11 +85,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     layout = validate_config(config)
     model_config = layout.model_config
     workdir = files.absolute(workdir)
-    if jax.process_index() == 0:
-        files.write_atomic(
-            files.as_path(workdir) / "config.json",
-            config.to_json_best_effort(indent=2, sort_keys=True) + "\n",
-        )
+    write_run_config(config, workdir)
     build_sources(config)
     tokenizer = prepare_tokenizer(config, workdir, (config.resume_from, config.init_from))
     if tokenizer.vocab_size != model_config.vocab_size:
@@ -153,6 +149,7 @@ class Pretraining(PretrainingModel):
         self.nan_at = int(config_field(config, "debug.nan_at_step", 0))
         self.iterator: Any = None
         self.eval_batches: list[dict[str, np.ndarray]] = []
+        self.placed_eval_batches: list[dict[str, jax.Array]] | None = None  # on the devices
         self.baselines: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------ starting
@@ -214,15 +211,17 @@ class Pretraining(PretrainingModel):
 
     def meta(self) -> dict[str, Any]:
         return {
-            "model_config": self.model_config.to_dict(),
             "tokenizer_fingerprint": self.tokenizer.fingerprint,
             "config": json.loads(self.config.to_json_best_effort()),
         }
 
     def evaluate(self, loop: Loop, params: Any) -> dict[str, float]:
         sums: dict[str, jax.Array] | None = None
-        for batch in self.eval_batches:
-            out = loop.eval_step(params, batch, self.global_batch)
+        if self.placed_eval_batches is None:  # the held-out set goes to the devices once
+            batches = self.eval_batches
+            self.placed_eval_batches = [loop.put(b, self.global_batch) for b in batches]
+        for batch in self.placed_eval_batches:
+            out = loop.eval_step(params, batch)
             sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
         values = {k: float(v) for k, v in jax.device_get(sums).items()}
         return {**eval_metrics(values), **self.baselines}

@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from albert_jax import optim
+from albert_jax import files, optim
 from albert_jax.config import ModelConfig, model_config_from
 from albert_jax.sharding import resolve_mesh_shape
 
@@ -38,6 +38,7 @@ KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
     "debug": ("sigterm_after_step", "sigkill_after_save_at_step", "nan_at_step"),
 }  # fmt: skip
 OBJECTIVES = ("sop", "nsp", "none")
+RUN_CONFIG_FILE = "config.json"
 
 
 def config_field(config: Any, dotted: str, default: Any = None) -> Any:
@@ -154,3 +155,10 @@ def mesh_layout(config: Any) -> tuple[tuple[int, int, int], tuple[Any, ...]]:
     except ValueError as e:
         raise ValueError(f"config.mesh (data, fsdp, tensor)={shape}: {e}") from None
     return resolved, tuple(devices)  # type: ignore[return-value]
+
+
+def write_run_config(config: Any, workdir: str) -> None:
+    """WORKDIR/config.json: the run's whole config (process 0; local or gs://)."""
+    if jax.process_index() == 0:
+        text = config.to_json_best_effort(indent=2, sort_keys=True) + "\n"
+        files.write_atomic(files.as_path(workdir) / RUN_CONFIG_FILE, text)
