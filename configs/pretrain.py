@@ -59,6 +59,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # scan no longer stacks every elementwise intermediate. "full" is the memory lever.
     c.model.remat_policy = "dots"
     c.model.scan_layers = True  # nn.scan over layers (compile time independent of depth)
+    # The official config's remaining fields, so that every one can be set on the command line.
+    c.model.num_hidden_groups = preset.num_hidden_groups  # G: layers split into G param groups
+    c.model.inner_group_num = preset.inner_group_num  # blocks per group, run in order
+    c.model.hidden_act = preset.hidden_act  # gelu_new (tanh GELU, the official "gelu")
+    c.model.type_vocab_size = preset.type_vocab_size  # segment ids (A / B)
+    c.model.initializer_range = preset.initializer_range  # truncated-normal std
+    c.model.layer_norm_eps = preset.layer_norm_eps  # official 1e-12
+    # E→H projection even when E == H (HF checkpoints always have it; the official code not)
+    c.model.always_project_embeddings = preset.always_project_embeddings
 
     # --- objective and data
     c.objective = arg.objective  # sop (ALBERT) | nsp (BERT) | none (MLM only)

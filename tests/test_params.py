@@ -52,3 +52,26 @@ def test_cli_json_keys():
     assert expected <= set(counts)
     assert counts["projection"] == 0  # E == H: the official model has no E->H projection
     assert counts["embeddings"] + counts["encoder"] + counts["pooler"] == 83_078_400
+
+
+def test_every_model_field_is_a_command_line_override():
+    """Every `ModelConfig` field is in configs/pretrain.py's model section (the config is
+    locked, so a field missing there could not be set at all); groups reach the model: with
+    G = 2 groups of 2 inner blocks, base's encoder holds 4 blocks' parameters."""
+    import dataclasses
+
+    from configs import pretrain
+
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert fields <= set(pretrain.get_config("size=base").model.keys())
+
+    def encoder(*overrides: str) -> int:
+        out = subprocess.run(
+            [sys.executable, "-m", "albert_jax.params", "--config=configs/pretrain.py:size=base",
+             *overrides, "--json"],
+            cwd=REPO, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        return json.loads(out.stdout.strip().splitlines()[-1])["encoder"]
+
+    grouped = encoder("--config.model.num_hidden_groups=2", "--config.model.inner_group_num=2")
+    assert grouped == 4 * encoder()
