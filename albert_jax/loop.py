@@ -388,6 +388,9 @@ class Loop:
                 self.writer.write(start, self.last_record)
                 if self.checkpointer.latest_step() is None:  # evaluation only: keep the model
                     self._save(start, force=True)
+            else:  # a finished run: its last record, as the run itself returned it
+                records = metrics_writer.read_metrics(self.workdir)
+                self.last_record = records[-1] if records else {}
             self.checkpointer.wait()
             return {**self.last_record, "step": start, "preempted": False,
                     "checkpoint_step": self.checkpointer.latest_step()}  # fmt: skip

@@ -101,10 +101,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
         result = loop.run()
     finally:
         loop.close()
-    if loop.start_step >= objective.total_steps:  # nothing was left to do: the last record
-        records = metrics_writer.read_metrics(workdir)
-        result = {**(records[-1] if records else {}), **result}
-    if not result["preempted"] and jax.process_index() == 0:
+    trained = loop.start_step < objective.total_steps
+    if trained and not result["preempted"] and jax.process_index() == 0:
         metrics_writer.plot_learning_curve(workdir)
     return result
 

@@ -218,6 +218,23 @@ def test_resume_is_bit_exact(interrupted_runs):
     assert sorted(losses_by_step(chain)) == list(range(1, 9))
 
 
+def test_finished_run_restarted_returns_its_last_record_and_writes_nothing(
+    interrupted_runs, corpus
+):
+    straight = interrupted_runs["straight"]
+    before = {
+        name: os.stat(os.path.join(straight, name)).st_mtime_ns
+        for name in (metrics_writer.METRICS_FILE, metrics_writer.LEARNING_CURVE_FILE)
+    }
+    result = train.train_and_evaluate(make_config(small_overrides(corpus)), straight)
+    last = metrics_writer.read_metrics(straight)[-1]
+    assert result["step"] == 8 and not result["preempted"] and result["checkpoint_step"] == 8
+    assert result["loss"] == last["loss"]  # the finished run's last record
+    assert final_steps(straight) == [4, 8]  # nothing saved again
+    for name, mtime in before.items():
+        assert os.stat(os.path.join(straight, name)).st_mtime_ns == mtime, name
+
+
 def test_resume_from_another_workdir_is_bit_exact(interrupted_runs):
     proc = interrupted_runs["resume_from_proc"]
     assert proc.returncode == 0, proc.stderr[-4000:]
