@@ -8,7 +8,6 @@ minutes compiling before it fails.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -141,19 +140,25 @@ def validate_config(config: Any) -> RunLayout:
 
 
 def mesh_layout(config: Any) -> tuple[tuple[int, int, int], tuple[Any, ...]]:
+    """(mesh shape, devices) of `config.mesh`: every device of the job, always.
+
+    Raises:
+      ValueError: naming `config.mesh` and the device count when the shape does not cover
+        every device (a smaller mesh would leave devices idle while the log and MFU count
+        them all).
+    """
     shape = tuple(
         int(config_field(config, f"mesh.{axis}", 1)) for axis in ("data", "fsdp", "tensor")
     )
     devices = jax.devices()
-    known = math.prod(shape)
-    # An explicit mesh smaller than the host (e.g. (1,1,1) on 8 devices) uses the first devices:
-    # handy for single-device baselines; never across processes, where every host must take part.
-    if -1 not in shape and known < len(devices) and jax.process_count() == 1 and known > 0:
-        devices = devices[:known]
     try:
         resolved = resolve_mesh_shape(shape, len(devices))
     except ValueError as e:
-        raise ValueError(f"config.mesh (data, fsdp, tensor)={shape}: {e}") from None
+        raise ValueError(
+            f"config.mesh (data, fsdp, tensor)={shape} does not fit the {len(devices)} devices "
+            f"of this job ({e}); every device must be in the mesh: set one axis to -1 to fill "
+            "it, e.g. --config.mesh.data=-1"
+        ) from None
     return resolved, tuple(devices)  # type: ignore[return-value]
 
 
