@@ -4,11 +4,12 @@ import collections
 import gzip
 import json
 import os
+import re
 
 import pytest
 
 from albert_jax import files
-from albert_jax.tasks import local
+from albert_jax.tasks import local, registry
 from albert_jax.tasks.metrics import METRIC_FNS
 
 
@@ -162,6 +163,63 @@ def test_bad_jsonl_records_are_skipped_and_counted(tmp_path):
         "empty_text:options": 1,
         "missing_field:question": 1,
     }
+
+
+def test_undecodable_lines_are_skipped_and_counted(tmp_path):
+    """One invalid UTF-8 byte costs its line only: counted as `bad_utf8` at its line number,
+    the other lines read, in training files as the fine-tuning run reads them (gzip'ed or
+    not); a file with no UTF-8 line at all is an error naming it."""
+    good = [json.dumps({"sentence": s, "label": 1}).encode() for s in ("first", "third")]
+    bad = json.dumps({"sentence": "caf\u00e9", "label": 0}).encode().replace(b"\\u00e9", b"\xe9")
+    content = b"\n".join([good[0], bad, good[1]]) + b"\n"
+    plain, packed = tmp_path / "train.jsonl", tmp_path / "dev.jsonl.gz"
+    plain.write_bytes(content)
+    packed.write_bytes(gzip.compress(content))
+    for path in (plain, packed):
+        stats = local.ReadStats()
+        examples = local.read_sentiment_rt(path, stats=stats)
+        assert [e.text_a for e in examples] == ["first", "third"]
+        assert stats.read == 3 and stats.kept == 2 and stats.skipped == {"bad_utf8": 1}
+        assert stats.first_skipped == {"bad_utf8": f"{path.name}:2"}
+    train = registry.read_train("sentiment_rt", {"train_files": str(plain)})
+    assert len(train.examples) == 2 and train.stats.skipped == {"bad_utf8": 1}
+
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(bad + b"\n\n" + bad + b"\n")
+    with pytest.raises(
+        ValueError, match=re.escape(f"{latin1}: none of its 2 lines is UTF-8") + ".*line 1"
+    ):
+        local.read_sentiment_rt(latin1)
+
+
+def test_unparsable_squad_json_names_the_file(tmp_path):
+    """A truncated SQuAD JSON file (the training / eval reader and the run's evaluator JSON)
+    or one with a byte that is not UTF-8 raises one ValueError naming the file, line and
+    column, with the parser's error chained."""
+    dataset = {"data": [{"title": "T", "paragraphs": [{"context": "Paris is big.", "qas": [
+        {"id": "q", "question": "What?", "answers": [{"text": "Paris", "answer_start": 0}]}
+    ]}]}]}  # fmt: skip
+    text = json.dumps(dataset, indent=1).encode()
+    cut = tmp_path / "dev-v1.1.json.gz"
+    cut.write_bytes(gzip.compress(text[: len(text) // 2]))
+    with pytest.raises(
+        ValueError, match=re.escape(f"{cut}: not valid JSON at line ") + r"\d+ column \d+"
+    ) as e:
+        local.read_squad(cut)
+    assert isinstance(e.value.__cause__, json.JSONDecodeError) and "truncated" in str(e.value)
+    with pytest.raises(ValueError, match=re.escape(f"{cut}: not valid JSON at line")):
+        registry.read_eval("squad_v1", {"eval_files": str(cut)})
+
+    latin1 = tmp_path / "latin1.json"
+    latin1.write_bytes(text.replace(b"Paris is", b"Par\xeds is"))
+    line = 1 + text[: text.index(b"Paris is")].count(b"\n")
+    with pytest.raises(
+        ValueError, match=re.escape(f"{latin1}: not UTF-8 text at line {line} column")
+    ):
+        local.read_squad(latin1)
+    bom = tmp_path / "bom.json"  # a byte-order mark is not an error
+    bom.write_bytes(b"\xef\xbb\xbf" + text)
+    assert [e.id for e in local.read_squad(bom)] == ["q"]
 
 
 def test_squad_v2_reader_and_bad_answers(tmp_path):

@@ -181,6 +181,27 @@ def test_cli_prints_one_json_object(tmp_path):
         assert flag in help_proc.stdout + help_proc.stderr
 
 
+def test_cli_names_an_unparsable_file(tmp_path):
+    """A truncated data or predictions file ends the CLI with one line naming the flag, the
+    file, the line and the column (not a bare JSONDecodeError)."""
+    dataset, predictions, _ = _v2_example()
+    text = json.dumps(dataset, indent=1)
+    cut_data = tmp_path / "dev.json"
+    cut_data.write_text(text[: len(text) // 2])
+    predictions_path = tmp_path / "pred.json.gz"
+    predictions_path.write_bytes(gzip.compress(json.dumps(predictions)[:-2].encode()))
+    good_data = tmp_path / "good.json"
+    good_data.write_text(text)
+    for data, what, bad in (
+        (cut_data, "data", cut_data),
+        (good_data, "predictions", predictions_path),
+    ):
+        proc = _run_cli(f"--data={data}", f"--predictions={predictions_path}")
+        assert proc.returncode != 0 and not proc.stdout
+        assert f"--{what}: {bad}: not valid JSON at line " in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
 def test_flags_are_not_defined_on_import():
     # A training binary that imports evaluate() must not inherit --data / --predictions.
     assert "predictions" not in squad_eval.FLAGS

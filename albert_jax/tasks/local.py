@@ -12,17 +12,18 @@ Each reader turns one file into a list of plain, frozen dataclass records:
   SQuAD v1.1 / v2.0   {"data": [{"title", "paragraphs": [{"context", "qas": [...]}]}]}
                       → SpanExample, one per question
 
-A bad record (missing or mistyped field, empty text, label out of range, SQuAD answer that is
-not in its context) is skipped and counted in a ReadStats, by reason, with the location of the
-first one; a summary is logged whenever anything was skipped. Nothing is dropped silently.
+A bad record (a line that is not UTF-8 or not JSON, missing or mistyped field, empty text,
+label out of range, SQuAD answer that is not in its context) is skipped and counted in a
+ReadStats, by reason, with the location of the first one; a summary is logged whenever anything
+was skipped. Nothing is dropped silently. A file that cannot be read as a whole (a SQuAD JSON
+file that is truncated or not UTF-8, a JSON Lines file without one UTF-8 line) raises one
+ValueError naming the file, the line and the reason.
 
 The files may be local or on gs://, and gzip'ed (detected from the content, not the file name).
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import json
 import logging
 import os
@@ -31,6 +32,16 @@ from typing import Any, Literal, NamedTuple
 
 from albert_jax import files
 from albert_jax.files import BadRecordError
+
+# The records and ReadStats live in tasks/records.py (every reader's); imported under these
+# names, which the callers of this module have always used.
+from albert_jax.tasks.records import (
+    ClassificationExample,
+    MultipleChoiceExample,
+    ReadStats,
+    SpanAnswer,
+    SpanExample,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,88 +53,6 @@ VITAMINC_LABELS: tuple[str, ...] = ("entailment", "neutral", "contradiction")
 SENTIMENT_LABELS: tuple[str, ...] = ("negative", "positive")
 # RACE-style multiple choice: the head scores a fixed number of options per question.
 DEFAULT_NUM_CHOICES = 4
-
-
-# ----------------------------------------------------------------------------- records
-@dataclasses.dataclass(frozen=True)
-class ClassificationExample:
-    """One sentence (text_b None) or sentence pair; label: class index, or float (regression)."""
-
-    id: str
-    text_a: str
-    text_b: str | None
-    label: int | float
-
-
-@dataclasses.dataclass(frozen=True)
-class MultipleChoiceExample:
-    """A question with options padded to num_choices; option_mask[i] is 1 for real options.
-
-    options: [num_choices] str ("" for padding); option_mask: [num_choices] int in {0, 1};
-    label: index of the correct option (always a real one).
-    """
-
-    id: str
-    context: str
-    question: str
-    options: tuple[str, ...]
-    option_mask: tuple[int, ...]
-    label: int
-
-
-@dataclasses.dataclass(frozen=True)
-class SpanAnswer:
-    """A gold answer: context[answer_start : answer_start + len(text)] == text."""
-
-    text: str
-    answer_start: int
-
-
-@dataclasses.dataclass(frozen=True)
-class SpanExample:
-    """One SQuAD question. answers is empty exactly when is_impossible (SQuAD v2.0)."""
-
-    id: str
-    title: str
-    question: str
-    context: str
-    answers: tuple[SpanAnswer, ...]
-    is_impossible: bool
-
-
-# ----------------------------------------------------------------------------- bookkeeping
-@dataclasses.dataclass
-class ReadStats:
-    """What a reader saw: records read, kept, and skipped by reason.
-
-    read / kept / skipped count records (lines, or SQuAD questions). `adjusted` counts events
-    inside records that were kept or skipped: SQuAD answers whose answer_start was moved to
-    where their text really is, or answers dropped. `first_skipped` maps each reason to where it
-    first happened ("file:line" or "file:question-id"), to find the bad input quickly.
-    """
-
-    read: int = 0
-    kept: int = 0
-    skipped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    adjusted: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    first_skipped: dict[str, str] = dataclasses.field(default_factory=dict)
-
-    @property
-    def skipped_total(self) -> int:
-        return sum(self.skipped.values())
-
-    def skip(self, reason: str, where: str) -> None:
-        self.skipped[reason] += 1
-        self.first_skipped.setdefault(reason, where)
-
-    def update(self, other: ReadStats) -> None:
-        """Adds another file's counts to these."""
-        self.read += other.read
-        self.kept += other.kept
-        self.skipped.update(other.skipped)
-        self.adjusted.update(other.adjusted)
-        for reason, where in other.first_skipped.items():
-            self.first_skipped.setdefault(reason, where)
 
 
 def _log_summary(path: PathLike, stats: ReadStats) -> None:
@@ -159,16 +88,67 @@ def _file_stem(path: PathLike) -> str:
     return name
 
 
+def read_json(path: PathLike) -> Any:
+    """The content of a whole JSON file (gzip'ed or not, local or gs://), e.g. SQuAD data or
+    predictions. The one place that names the file when it cannot be parsed: a truncated file,
+    bad JSON or bytes that are not UTF-8 raise one ValueError with the path, the line and column
+    and the reason (the original error chained)."""
+    # Bytes first, decoded here: a decode error then has its offset in the file (a text stream
+    # reports it within a buffer), so the message can give the line.
+    with files.open_binary(path) as f:
+        data = f.read()
+    try:
+        # utf-8-sig: a leading byte-order mark (editors on Windows write one) is not content.
+        content = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(
+            f"{os.fspath(path)}: not UTF-8 text at line {line} column {column} (byte "
+            f"{e.start}: {e.object[e.start : e.end]!r}): {e.reason}"
+        ) from e
+    try:
+        return json.loads(content)
+    except json.JSONDecodeError as e:
+        # The parser stopped at the end of the text, or in a string that the end cut off.
+        ends_early = e.pos >= len(content.rstrip()) or e.msg.startswith("Unterminated string")
+        truncated = " (the file ends early: truncated?)" if ends_early else ""
+        raise ValueError(
+            f"{os.fspath(path)}: not valid JSON at line {e.lineno} column {e.colno}: "
+            f"{e.msg}{truncated}"
+        ) from e
+
+
 def _jsonl_records(path: PathLike, stats: ReadStats) -> Iterator[tuple[str, str, dict]]:
-    """Yields (id, location, record) for every JSON object line; counts the lines that are not."""
+    """Yields (id, location, record) for every JSON object line; counts the lines that are not
+    (`bad_utf8`, `invalid_json`, `not_an_object`).
+
+    Raises:
+      ValueError: naming the file when it has lines but none of them is UTF-8 (a binary file,
+        or text in another encoding): skipping them all would only hide that.
+    """
     stem = _file_stem(path)
     base = _file_name(path)
-    with open_text(path) as f:
-        for line_number, line in enumerate(f):
+    decoded, undecodable, first_undecodable = 0, 0, 0
+    # Lines are decoded one by one (not through a text stream) so that one undecodable byte
+    # costs its line only, counted like any other bad record, instead of ending the read.
+    with files.open_binary(path) as f:
+        for line_number, raw in enumerate(f):
+            where = f"{base}:{line_number + 1}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                stats.read += 1
+                stats.skip("bad_utf8", where)
+                undecodable += 1
+                first_undecodable = first_undecodable or line_number + 1
+                continue
+            if line_number == 0:
+                line = line.removeprefix("\ufeff")  # a byte-order mark is not content
             if not line.strip():
                 continue  # blank lines (e.g. a trailing newline) hold no record
+            decoded += 1
             stats.read += 1
-            where = f"{base}:{line_number + 1}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
@@ -178,6 +158,11 @@ def _jsonl_records(path: PathLike, stats: ReadStats) -> Iterator[tuple[str, str,
                 stats.skip("not_an_object", where)
                 continue
             yield f"{stem}-{line_number}", where, record
+    if undecodable and not decoded:
+        raise ValueError(
+            f"{os.fspath(path)}: none of its {undecodable} lines is UTF-8 text (the first at "
+            f"line {first_undecodable}); is it a JSON Lines file?"
+        )
 
 
 def _text_field(record: dict, name: str) -> str:
@@ -369,8 +354,7 @@ def read_squad(
     (relocate_answers=True) or dropped; a question left without answers that is not impossible
     is skipped. Question ids must be unique (predictions are keyed by them).
     """
-    with open_text(path) as f:
-        dataset = json.load(f)
+    dataset = read_json(path)
     if not isinstance(dataset, dict) or not isinstance(dataset.get("data"), list):
         raise ValueError(f"{os.fspath(path)}: not SQuAD JSON: expected a top-level 'data' list")
     base = _file_name(path)

@@ -12,7 +12,6 @@ JSON files instead when files are given.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -110,8 +109,7 @@ def _read(name: str, data: Any, files: str, split: str, max_examples: int) -> Ev
         else:
             examples = local.read_task(name, paths, stats=stats)
         if squad_version and len(paths) == 1 and max_examples <= 0:
-            with file_io.open_text(paths[0]) as f:
-                squad_dataset = json.load(f)  # score against the file itself
+            squad_dataset = local.read_json(paths[0])  # score against the file itself
         label = ",".join(paths)
     elif spec.source == "local":
         raise ValueError(

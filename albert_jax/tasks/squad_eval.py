@@ -40,6 +40,7 @@ from collections.abc import Mapping
 from absl import app, flags
 
 from albert_jax import files
+from albert_jax.tasks import local
 
 log = logging.getLogger(__name__)
 
@@ -280,14 +281,14 @@ def define_flags() -> None:
 
 
 def _load_json(path: str, what: str):
-    """A (gzip'ed) JSON file, local or gs://."""
+    """A (gzip'ed) JSON file, local or gs://; an unreadable one is a usage error naming the
+    flag (the message of `local.read_json` names the file, line and column)."""
     if not files.as_path(path).is_file():
         raise app.UsageError(f"--{what}={path}: no such file")
     try:
-        with files.open_text(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
-        raise app.UsageError(f"--{what}={path}: cannot read JSON: {e}") from e
+        return local.read_json(path)
+    except (OSError, ValueError) as e:
+        raise app.UsageError(f"--{what}: {e}") from e
 
 
 def main(argv: list[str]) -> None:
