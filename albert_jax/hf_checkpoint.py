@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import re
 import struct
 from collections.abc import Mapping
@@ -34,6 +35,7 @@ from albert_jax.weight_names import (
     import_tensors,
     layout,
     to_numpy,
+    unreadable,
 )
 
 __all__ = [
@@ -172,39 +174,73 @@ _SAFETENSORS_DTYPES = {
 
 def read_safetensors(data: bytes, source: str = "safetensors") -> dict[str, np.ndarray]:
     """All tensors of a `.safetensors` file's bytes as numpy arrays (read-only views of `data`;
-    bfloat16 as `ml_dtypes.bfloat16`). `source` names the file in errors."""
+    bfloat16 as `ml_dtypes.bfloat16`). `source` names the file in errors: a truncated or
+    malformed file raises one ValueError (`weight_names.unreadable`)."""
+    what = "safetensors file"
+    if len(data) < 8:
+        raise unreadable(source, what, f"{len(data)} bytes, less than its 8-byte header size")
     (header_len,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + header_len])
+    if 8 + header_len > len(data):
+        raise unreadable(
+            source, what, f"truncated: its header needs {header_len} bytes, {len(data) - 8} follow"
+        )
+    try:
+        header = json.loads(data[8 : 8 + header_len])
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError: a corrupt header
+        raise unreadable(source, what, e) from e
+    if not isinstance(header, dict):
+        raise unreadable(source, what, f"its header is a JSON {type(header).__name__}")
     header.pop("__metadata__", None)
+    available = len(data) - 8 - header_len
     out: dict[str, np.ndarray] = {}
     for name, info in header.items():
-        if info["dtype"] == "BF16":
+        try:
+            dtype_name, shape = info["dtype"], tuple(info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise unreadable(source, what, f"malformed header entry {name}: {info!r}") from e
+        if dtype_name == "BF16":
             import ml_dtypes
 
             dtype = np.dtype(ml_dtypes.bfloat16)
-        elif info["dtype"] in _SAFETENSORS_DTYPES:
-            dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
+        elif dtype_name in _SAFETENSORS_DTYPES:
+            dtype = np.dtype(_SAFETENSORS_DTYPES[dtype_name])
         else:
             raise ValueError(
-                f"{source}: tensor {name} has dtype {info['dtype']}, which numpy cannot hold; "
+                f"{source}: tensor {name} has dtype {dtype_name}, which numpy cannot hold; "
                 "convert the checkpoint to float32 or bfloat16"
             )
-        begin, end = info["data_offsets"]
+        # A cut-off file keeps its header: the tensors past the end are what is missing.
+        if end > available:
+            raise unreadable(
+                source,
+                what,
+                f"truncated: tensor {name} ends at data byte {end}, the file holds {available}",
+            )
+        if not 0 <= begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
+            misfit = f"tensor {name}: data_offsets {[begin, end]} do not fit {list(shape)}"
+            raise unreadable(source, what, f"{misfit} of {dtype_name}")
         array = np.frombuffer(
             data, dtype, count=(end - begin) // dtype.itemsize, offset=8 + header_len + begin
         )
-        out[name] = array.reshape(info["shape"])
+        out[name] = array.reshape(shape)
     return out
 
 
 def _read_weights(path: Any) -> dict[str, np.ndarray]:
-    """One weights file (an epath.Path, local or remote) -> {name: numpy array}."""
+    """One weights file (an epath.Path, local or remote) -> {name: numpy array}; a file that
+    cannot be parsed raises one ValueError naming it."""
     data = path.read_bytes()
     if path.name.endswith(".safetensors"):
         return read_safetensors(data, str(path))
     import torch
 
-    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # torch reports a bad file as one of many types (zip, pickle, ...)
+        raise unreadable(path, "PyTorch state dict", e) from e
+    if not isinstance(state, Mapping):
+        raise unreadable(path, "PyTorch state dict", f"holds a {type(state).__name__}")
     return {k: to_numpy(v) for k, v in state.items()}
 
 
@@ -227,8 +263,14 @@ def load_hf_state_dict(hf_dir: str) -> dict[str, np.ndarray]:
             continue
         if not name.endswith(".index.json"):
             return _read_weights(path)
+        index = files.read_json(path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise unreadable(path, "weights index", "no 'weight_map' object")
         state: dict[str, np.ndarray] = {}
-        for shard in sorted(set(files.read_json(path)["weight_map"].values())):
+        for shard in sorted(set(weight_map.values())):
+            if not (directory / shard).is_file():
+                raise ValueError(f"{path} names the shard {shard}, which is not in {hf_dir}")
             state.update(_read_weights(directory / shard))
         return state
     raise ValueError(f"{hf_dir}: no HF weights found (looked for {', '.join(HF_WEIGHT_FILES)})")

@@ -40,7 +40,11 @@ from albert_jax.checkpointing import CHECKPOINTS_DIR, TOKENIZER_FILE, checkpoint
 from albert_jax.config import ModelConfig, save_json
 from albert_jax.hf_checkpoint import HF_WEIGHT_FILES, load_hf_checkpoint
 from albert_jax.model import AlbertForPreTraining, init_params
-from albert_jax.tf1_checkpoint import find_tf_checkpoint, tf_checkpoint_to_params
+from albert_jax.tf1_checkpoint import (
+    find_tf_checkpoint,
+    index_missing,
+    tf_checkpoint_to_params,
+)
 from albert_jax.weight_names import (
     OPTIONAL_PARTS,
     flatten_params,
@@ -127,6 +131,8 @@ def detect_layout(path: str) -> str:
         return "tf_prefix"
     root = files.as_path(path)
     if not root.is_dir():
+        if error := index_missing(path):  # a TF prefix whose .index is gone
+            raise error
         raise ValueError(
             f"load_pretrained: {path!r} does not exist; pass a model dir, a training workdir or "
             "step dir, an HF dir or an official TF1 dir"
@@ -142,6 +148,8 @@ def detect_layout(path: str) -> str:
         return "hf"
     if has("albert_config.json") and any(root.glob("*.index")):
         return "tf"
+    if has("albert_config.json") and (error := index_missing(path)):
+        raise error
     raise ValueError(
         f"load_pretrained: {path!r} is not a known checkpoint layout. Looked for: an albert_jax "
         f"model dir ({MODEL_CONFIG_FILE} + {PARAMS_DIR}/), a training workdir "
@@ -181,6 +189,8 @@ def load_tf_checkpoint(
         directory, prefix = root, None
     elif files.as_path(f"{src}.index").is_file():
         directory, prefix = root.parent, src
+    elif error := index_missing(src):
+        raise error
     else:
         raise ValueError(
             f"official TF1 checkpoint: {src} does not exist (neither a dir nor a checkpoint "

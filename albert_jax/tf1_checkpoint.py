@@ -13,9 +13,9 @@ from typing import Any
 
 from albert_jax import files
 from albert_jax.config import ModelConfig
-from albert_jax.weight_names import check_projection, import_tensors, layout
+from albert_jax.weight_names import check_projection, import_tensors, layout, unreadable
 
-__all__ = ["tf_checkpoint_to_params", "find_tf_checkpoint"]
+__all__ = ["tf_checkpoint_to_params", "find_tf_checkpoint", "index_missing"]
 
 # One logger for every conversion message, whichever module emits it (users filter on it).
 log = logging.getLogger("albert_jax.convert")
@@ -38,9 +38,23 @@ def tf_checkpoint_to_params(ckpt_prefix: str, config: ModelConfig) -> dict[str, 
     import tensorflow as tf
 
     if not files.as_path(ckpt_prefix + ".index").is_file():
-        raise ValueError(f"{ckpt_prefix}: no TF checkpoint ({ckpt_prefix}.index does not exist)")
-    reader = tf.train.load_checkpoint(files.absolute(ckpt_prefix))
-    raw_shapes = reader.get_variable_to_shape_map()
+        raise index_missing(ckpt_prefix) or ValueError(
+            f"{ckpt_prefix}: no TF checkpoint ({ckpt_prefix}.index does not exist)"
+        )
+    try:
+        reader = tf.train.load_checkpoint(files.absolute(ckpt_prefix))
+        raw_shapes = reader.get_variable_to_shape_map()
+    except (tf.errors.OpError, IndexError, ValueError) as e:  # a corrupt or cut-off index
+        raise unreadable(f"{ckpt_prefix}.index", "TF checkpoint index", e) from e
+
+    def read(name: str) -> Any:
+        try:
+            return reader.get_tensor(names[name])
+        except (tf.errors.OpError, IndexError, ValueError) as e:  # IndexError: data cut off
+            data_files = ", ".join(str(p) for p in files.glob(f"{ckpt_prefix}.data-*"))
+            what = f"TF checkpoint data file (variable {names[name]})"
+            raise unreadable(data_files or f"{ckpt_prefix}.data-*", what, e) from e
+
     hub = any(name.startswith("module/") for name in raw_shapes)
     strip = (lambda n: n.removeprefix("module/")) if hub else (lambda n: n)
     names = {strip(n): n for n in raw_shapes}
@@ -52,10 +66,26 @@ def tf_checkpoint_to_params(ckpt_prefix: str, config: ModelConfig) -> dict[str, 
         layout(config),
         "tf",
         shapes,
-        lambda n: reader.get_tensor(names[n]),
+        read,
         config.weight_dtype,
         source,
         ignored,
+    )
+
+
+def index_missing(path: str) -> ValueError | None:
+    """The error for TF checkpoint data files without their `.index` (an incomplete copy: the
+    index is written last and is small, easy to leave behind), or None if there are none.
+    `path` is a checkpoint prefix or a dir."""
+    root = files.as_path(path)
+    pattern = str(root / "*.data-*") if root.is_dir() else f"{path}.data-*"
+    data = [str(p) for p in files.glob(pattern)]
+    if not data:
+        return None
+    prefixes = sorted({d.rpartition(".data-")[0] for d in data})
+    return ValueError(
+        f"{path}: incomplete TF checkpoint: {', '.join(p + '.index' for p in prefixes)} "
+        f"missing (the data files {', '.join(data)} need it)"
     )
 
 
@@ -70,7 +100,7 @@ def find_tf_checkpoint(tf_dir: str) -> str:
         return latest
     prefixes = [str(p).removesuffix(".index") for p in files.as_path(tf_dir).glob("*.index")]
     if not prefixes:
-        raise ValueError(f"{tf_dir}: no TF checkpoint (no *.index file)")
+        raise index_missing(tf_dir) or ValueError(f"{tf_dir}: no TF checkpoint (no *.index file)")
     best = [p for p in prefixes if p.endswith("ckpt-best")]
     if best:
         return best[0]

@@ -50,6 +50,7 @@ __all__ = [
     "missing_parts",
     "to_numpy",
     "format_problems",
+    "unreadable",
 ]
 
 # One logger for every conversion message, whichever module emits it (users filter on it).
@@ -244,6 +245,15 @@ def format_problems(what: str, missing: list[str], mismatched: list[str]) -> str
     lines += [f"  missing: {name}" for name in missing]
     lines += [f"  shape mismatch: {m}" for m in mismatched]
     return "\n".join(lines)
+
+
+def unreadable(path: Any, what: str, reason: str | BaseException) -> ValueError:
+    """The one error for a weights file that cannot be parsed (truncated, corrupt, or not the
+    format its name says): it names the file, what it should be and why. Callers raise it
+    `from` the original error, which stays chained for the full detail."""
+    if isinstance(reason, BaseException):
+        reason = f"{type(reason).__name__}: {reason}"
+    return ValueError(f"{path}: not a readable {what}: {reason}")
 
 
 # ------------------------------------------------------------------------- generic importer

@@ -1,5 +1,6 @@
 """`load_pretrained` on every layout: model dir, training workdir / step dir (real Orbax
-CheckpointManager, params saved sharded over 8 devices), HF checkpoints that lack heads."""
+CheckpointManager, params saved sharded over 8 devices), HF checkpoints that lack heads; and
+the errors that name a missing or unreadable checkpoint file."""
 
 import gzip
 import itertools
@@ -27,6 +28,7 @@ from albert_jax.pretrained import (
     checkpoint_meta,
     detect_layout,
     load_pretrained,
+    load_tf_checkpoint,
     save_model_dir,
 )
 
@@ -230,6 +232,93 @@ def test_missing_paths_are_named(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match=re.escape(repr(path)) + " does not exist"):
             load_pretrained(path)
     assert os.listdir(tmp_path) == []
+
+
+TINY_HF = dict(
+    vocab_size=64,
+    embedding_size=8,
+    hidden_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    intermediate_size=16,
+    max_position_embeddings=16,
+)
+
+
+def test_truncated_hf_weights_are_named(tmp_path):
+    """A cut-off `model.safetensors` (in its header or in its data) or `pytorch_model.bin`:
+    the HF reader, `load_pretrained`, fine-tuning's `init=` and `convert --from=hf` each end
+    in one ValueError that names the file and says why."""
+    from test_convert import random_hf_model, run_cli
+
+    from albert_jax.finetune import finetune_and_evaluate
+    from albert_jax.hf_checkpoint import load_hf_checkpoint
+    from configs.finetune import get_config
+
+    hf = random_hf_model(TINY_HF, seed=1)
+    safe, legacy = tmp_path / "safe", tmp_path / "legacy"
+    hf.save_pretrained(safe)
+    hf.save_pretrained(legacy, safe_serialization=False)
+    weights = safe / "model.safetensors"
+    intact = weights.read_bytes()
+    expected = re.escape(f"{weights}: not a readable safetensors file: truncated")
+    for keep in (20, len(intact) - 10):  # inside the header; inside the last tensor
+        weights.write_bytes(intact[:keep])
+        with pytest.raises(ValueError, match=expected):
+            load_hf_checkpoint(str(safe))
+        with pytest.raises(ValueError, match=expected):
+            load_pretrained(str(safe))
+
+    # Fine-tuning reads `init=` through load_pretrained before any data or compilation.
+    config = get_config(f"task=sentiment_rt,init={safe}")
+    config.data.train_files = config.data.eval_files = str(tmp_path / "unused.jsonl")
+    with pytest.raises(ValueError, match=expected):
+        finetune_and_evaluate(config, str(tmp_path / "run"))
+
+    done = run_cli("--from=hf", f"--src={safe}", f"--dst={tmp_path / 'out'}")
+    assert done.returncode != 0
+    assert re.search(r"ValueError: " + expected, done.stderr), done.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+    legacy_weights = legacy / "pytorch_model.bin"
+    legacy_weights.write_bytes(legacy_weights.read_bytes()[:-100])
+    bin_error = re.escape(f"{legacy_weights}: not a readable PyTorch state dict: ")
+    with pytest.raises(ValueError, match=bin_error):
+        load_pretrained(str(legacy))
+
+
+def test_broken_tf1_checkpoints_are_named(tmp_path):
+    """An official TF1 checkpoint with a cut-off data file, a corrupt index or no index at all
+    ends in one ValueError naming the file."""
+    from test_convert import official_variables, write_tf1_checkpoint
+
+    official = tmp_path / "official"
+    official.mkdir()
+    (official / "albert_config.json").write_text(json.dumps({**TINY_HF, "hidden_act": "gelu"}))
+    write_tf1_checkpoint(
+        str(official / "model.ckpt"), official_variables(TINY_HF, np.random.default_rng(0)), 3, True
+    )
+    prefix = official / "model.ckpt-3"
+    data, index = official / "model.ckpt-3.data-00000-of-00001", official / "model.ckpt-3.index"
+    intact_data, intact_index = data.read_bytes(), index.read_bytes()
+
+    data.write_bytes(intact_data[: len(intact_data) // 2])
+    with pytest.raises(ValueError, match=re.escape(f"{data}: not a readable TF checkpoint data")):
+        load_pretrained(str(official))
+    data.write_bytes(intact_data)
+
+    index.write_bytes(intact_index[: len(intact_index) // 2])
+    for read, src in ((load_tf_checkpoint, official), (load_pretrained, prefix)):
+        with pytest.raises(ValueError, match=re.escape(f"{index}: not a readable TF checkpoint")):
+            read(str(src))
+
+    index.unlink()
+    for read in (load_pretrained, load_tf_checkpoint):
+        for src in (official, prefix):
+            with pytest.raises(
+                ValueError, match=re.escape(f"{src}: incomplete TF checkpoint: {index} ")
+            ):
+                read(str(src))
 
 
 def test_gcs_workdir_and_step_dir(gcs, tmp_path, monkeypatch, spm_model):
