@@ -11,12 +11,14 @@ from __future__ import annotations
 import bz2
 import contextlib
 import gzip
+import hashlib
 import io
 import json
 import os
 import re
 import tempfile
 import uuid
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO
 
@@ -30,6 +32,36 @@ _UPLOAD_CHUNK = 16 << 20
 COPY_CHUNK = 16 << 20  # bytes per read of a streamed copy
 # "BZh", the block size 1-9, then the first block's magic (pi in BCD) or an empty stream's.
 _BZIP2_MAGIC = re.compile(rb"BZh[1-9](1AY&SY|\x17rE8P\x90)", re.DOTALL)
+
+
+class UnreadableFileError(ValueError):
+    """A file that cannot be read to its end: compressed data (gzip, bzip2) that is truncated or
+    corrupt. The message names the file and the line reading stopped at; `path` and `line`
+    (1-based: the line the bad data is on) hold them."""
+
+    def __init__(self, path: str, line: int, message: str):
+        super().__init__(f"{path}: line {line}: {message}")
+        self.path, self.line, self.message = path, line, message
+
+    def __reduce__(self):  # picklable (worker processes) despite the custom arguments
+        return type(self), (self.path, self.line, self.message)
+
+
+class UndecodableTextError(UnicodeDecodeError):
+    """Invalid UTF-8 in a file read with `open_text`, naming the file and the line. Still a
+    `UnicodeDecodeError` (so a `ValueError`): callers that catch those keep working."""
+
+    def __init__(self, path: str, line: int, error: UnicodeDecodeError):
+        super().__init__(error.encoding, error.object, error.start, error.end, error.reason)
+        self.path, self.line = path, line
+
+    def __str__(self) -> str:
+        byte = self.object[self.start : self.start + 1].hex()
+        return f"{self.path}: line {self.line}: invalid UTF-8 (byte 0x{byte}: {self.reason})"
+
+    def __reduce__(self):
+        error = UnicodeDecodeError(self.encoding, self.object, self.start, self.end, self.reason)
+        return type(self), (self.path, self.line, error)
 
 
 class BadRecordError(ValueError):
@@ -125,29 +157,167 @@ def copy(src: PathLike, dst: PathLike) -> None:
             target.write(chunk)
 
 
+# What a decompressor raises on truncated or corrupt input: EOFError (the stream ends early),
+# gzip.BadGzipFile / OSError (bad header, CRC, bzip2 "Invalid data stream"), zlib.error.
+_DECOMPRESSION_ERRORS = (EOFError, OSError, zlib.error)
+
+
+class _NamedDecompressedStream(io.BufferedIOBase):
+    """A decompressing stream whose errors name the file and the line they stop at.
+
+    The bare EOFError of a truncated `.gz` names nothing; counting the line breaks handed out
+    so far says where the file breaks (the line after the last complete one).
+    """
+
+    def __init__(self, stream: BinaryIO, path: str, kind: str):
+        super().__init__()
+        self._stream, self._path, self._kind = stream, path, kind
+        self._newlines = 0
+
+    @property
+    def name(self) -> str:
+        return self._path
+
+    def readable(self) -> bool:
+        return True
+
+    def _counted(self, data: bytes) -> bytes:
+        self._newlines += data.count(b"\n")
+        return data
+
+    def _error(self, error: Exception) -> UnreadableFileError:
+        return UnreadableFileError(
+            self._path,
+            self._newlines + 1,
+            f"{self._kind} data is truncated or corrupt ({type(error).__name__}: {error}) after "
+            f"{self._newlines} complete lines; download or write the file again",
+        )
+
+    def read(self, size: int | None = -1) -> bytes:
+        # In pieces of one underlying read each: a failing read loses the data of its call,
+        # so one big read would leave the line count short of where the data really stops.
+        whole = size is None or size < 0
+        parts: list[bytes] = []
+        left = COPY_CHUNK if whole else size
+        while left > 0 and (part := self.read1(left)):
+            parts.append(part)
+            left = COPY_CHUNK if whole else left - len(part)
+        return b"".join(parts)
+
+    def read1(self, size: int = -1) -> bytes:
+        try:
+            return self._counted(self._stream.read1(size))
+        except _DECOMPRESSION_ERRORS as e:
+            raise self._error(e) from e
+
+    def readline(self, size: int | None = -1) -> bytes:
+        try:
+            return self._counted(self._stream.readline(size))
+        except _DECOMPRESSION_ERRORS as e:
+            raise self._error(e) from e
+
+    def __iter__(self) -> Iterator[bytes]:
+        # A generator over the stream's own lines: half the per-line cost of `readline`.
+        try:
+            for line in self._stream:
+                self._newlines += line.endswith(b"\n")
+                yield line
+        except _DECOMPRESSION_ERRORS as e:
+            raise self._error(e) from e
+
+    def readinto(self, buffer) -> int:  # type: ignore[override]
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+
+class _NamedText(io.TextIOWrapper):
+    """UTF-8 text whose decoding errors name the file and the line (`UndecodableTextError`)."""
+
+    def __init__(self, stream: BinaryIO, path: str):
+        super().__init__(stream, encoding="utf-8")
+        self._path = path
+        self._lines = 0  # lines handed out so far
+
+    def _error(self, error: UnicodeDecodeError) -> UndecodableTextError:
+        # The text layer decodes the chunk after the lines handed out (the bytes it holds
+        # back have no line break yet), so the bad byte's line is counted in that chunk.
+        line = self._lines + 1 + error.object[: error.start].count(b"\n")
+        return UndecodableTextError(self._path, line, error)
+
+    def __next__(self) -> str:
+        try:
+            line = super().__next__()
+        except UnicodeDecodeError as e:
+            raise self._error(e) from e
+        self._lines += 1
+        return line
+
+    def readline(self, size: int = -1) -> str:
+        try:
+            line = super().readline(size)
+        except UnicodeDecodeError as e:
+            raise self._error(e) from e
+        self._lines += line.endswith("\n")
+        return line
+
+    def read(self, size: int | None = -1) -> str:
+        try:
+            text = super().read(size)
+        except UnicodeDecodeError as e:
+            raise self._error(e) from e
+        self._lines += text.count("\n")
+        return text
+
+
 @contextlib.contextmanager
 def open_binary(path: PathLike) -> Iterator[BinaryIO]:
     """Opens a file for streaming reads, decompressing gzip or bzip2 (multi-stream too) when it
-    starts with their magic bytes (whatever its name says)."""
+    starts with their magic bytes (whatever its name says).
+
+    Truncated or corrupt compressed data raises `UnreadableFileError` (a ValueError) naming
+    the file and the line it stops at, when the bad part is read.
+    """
+    name = os.fspath(path)
     with as_path(path).open("rb") as raw:
         magic = raw.read(10)
         raw.seek(0)
         if magic[:2] == b"\x1f\x8b":
             with gzip.GzipFile(fileobj=raw, mode="rb") as f:
-                yield f  # type: ignore[misc]
+                yield _NamedDecompressedStream(f, name, "gzip")  # type: ignore[misc]
         elif _BZIP2_MAGIC.fullmatch(magic):
             # BZ2File reads multi-stream files (the Wikipedia "multistream" dumps) to the end.
             with bz2.BZ2File(raw, mode="rb") as f:
-                yield f  # type: ignore[misc]
+                yield _NamedDecompressedStream(f, name, "bzip2")  # type: ignore[misc]
         else:
             yield raw
 
 
 @contextlib.contextmanager
 def open_text(path: PathLike) -> Iterator[io.TextIOBase]:
-    """Opens a UTF-8 text file for reading, decompressed like `open_binary`."""
+    """Opens a UTF-8 text file for reading, decompressed like `open_binary`. Invalid UTF-8
+    raises `UndecodableTextError` (a UnicodeDecodeError) naming the file and the line."""
     with open_binary(path) as stream:
-        yield io.TextIOWrapper(stream, encoding="utf-8")
+        yield _NamedText(stream, os.fspath(path))
+
+
+def stat(path: PathLike) -> tuple[int, int]:
+    """(size in bytes, modification time in ns) of a file, local or remote. Remote times have
+    whole seconds only (`epath` reports object stores' times in seconds)."""
+    if is_local(path):
+        result = os.stat(absolute(path))
+        return result.st_size, result.st_mtime_ns
+    remote = as_path(path).stat()
+    return int(remote.length), int(remote.mtime) * 1_000_000_000
+
+
+def sha256(path: PathLike) -> str:
+    """Hex SHA-256 of a file's bytes as stored (not decompressed), streamed."""
+    digest = hashlib.sha256()
+    with as_path(path).open("rb") as f:
+        while chunk := f.read(COPY_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def expand(patterns: PathLike | Sequence[PathLike], what: str = "files") -> list[str]:

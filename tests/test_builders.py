@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import bz2
+import functools
 import gzip
 import json
 import os
+import re
 import textwrap
 from collections import defaultdict
 
@@ -351,3 +354,67 @@ def test_config_errors_name_the_field(tmp_path):
     )
     with pytest.raises(ValueError, match="files: .*missing.* does not exist"):
         builder.download_and_prepare()
+
+
+# ---------------------------------------------------------------- unreadable inputs are named
+
+
+def _jsonl(n: int) -> bytes:
+    return b"".join(
+        json.dumps({"title": f"doc {i}", "text": f"Document number {i} says hello."}).encode()
+        + b"\n"
+        for i in range(n)
+    )
+
+
+def _sentences(n: int) -> bytes:
+    return b"".join(b"Sentence %d of the corpus.\n%s" % (i, b"\n" * (i % 5 == 4)) for i in range(n))
+
+
+def _wiki(n: int) -> bytes:
+    page = "<page><title>P{0}</title><ns>0</ns><id>{0}</id><revision><text>Page {0} text.</text>"
+    pages = "".join(page.format(i) + "</revision></page>\n" for i in range(n))
+    return f'<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/">\n{pages}</mediawiki>\n'.encode()
+
+
+@pytest.mark.parametrize(
+    "builder, config, name, content, compress",
+    [
+        (Documents, DocumentsConfig, "corpus.jsonl.gz", _jsonl, gzip.compress),
+        (Documents, DocumentsConfig, "corpus.jsonl.bz2", _jsonl, bz2.compress),
+        (
+            Documents,
+            functools.partial(DocumentsConfig, text_format="sentence_per_line"),
+            "raw.txt.gz",
+            _sentences,
+            gzip.compress,
+        ),
+        (Documents, DocumentsConfig, "one_document.txt.gz", _sentences, gzip.compress),
+        (Books, BooksConfig, "emma.txt.gz", _sentences, gzip.compress),
+        (WikipediaDump, WikipediaDumpConfig, "dump.xml.bz2", _wiki, bz2.compress),
+    ],
+    ids=["jsonl.gz", "jsonl.bz2", "raw_text.gz", "document.gz", "books.gz", "wikipedia.bz2"],
+)
+def test_truncated_corpus_file_names_the_file_and_line(
+    tmp_path, builder, config, name, content, compress
+):
+    """A corpus file cut short (an interrupted download or copy) stops the build with an error
+    naming the file and the line the data stops at, instead of a bare EOFError."""
+    whole = compress(content(3000))
+    path = tmp_path / name
+    path.write_bytes(whole[: len(whole) * 3 // 4])
+    dataset = builder(
+        config=config(name="cut", files=(str(path),), validation_fraction=0),
+        data_dir=str(tmp_path / "tfds"),
+    )
+    pattern = re.escape(str(path)) + r": line \d+: (gzip|bzip2) data is truncated or corrupt"
+    with pytest.raises(ValueError, match=pattern):
+        dataset.download_and_prepare()
+    assert not dataset.is_prepared()
+    path.write_bytes(whole)  # the whole file builds
+    dataset = builder(
+        config=config(name="whole", files=(str(path),), validation_fraction=0),
+        data_dir=str(tmp_path / "tfds"),
+    )
+    dataset.download_and_prepare()
+    assert counters(dataset)["documents"] >= 1

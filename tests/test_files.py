@@ -1,7 +1,13 @@
 """albert_jax.files: atomic writes publish all or nothing, on local disk and on gs:// (the local
-Cloud Storage emulator of tests/gcs.py)."""
+Cloud Storage emulator of tests/gcs.py); unreadable files (truncated or corrupt compressed data,
+invalid UTF-8) raise errors naming the file and the line; file fingerprints (stat, sha256)."""
 
+import bz2
+import gzip
+import hashlib
 import os
+import pickle
+import time
 
 import pytest
 from etils import epath
@@ -37,3 +43,88 @@ def test_gcs_atomic_write_uploads_nothing_on_error(gcs, tmp_path, monkeypatch):
     files.write_atomic(fresh, big)
     assert gcs.read("test_files/fresh.json") == big
     assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------- unreadable files are named
+
+
+def _lines(n: int) -> bytes:
+    return b"".join(b'{"text": "line %d of a corpus that compresses well"}\n' % i for i in range(n))
+
+
+@pytest.mark.parametrize("compress", [gzip.compress, bz2.compress], ids=["gzip", "bzip2"])
+def test_truncated_compressed_file_names_the_file_and_line(tmp_path, compress):
+    data = _lines(60000)  # bzip2 blocks hold ~900 kB: several blocks, the cut in a late one
+    whole = compress(data)
+    path = tmp_path / "corpus.jsonl.gz"
+    path.write_bytes(whole[: len(whole) * 3 // 4])  # a download cut short
+
+    def read_lines():
+        with files.open_binary(path) as f:
+            return sum(1 for _ in f)
+
+    def read_chunks():
+        with files.open_binary(path) as f:
+            while f.read(4096):
+                pass
+
+    def read_all():
+        with files.open_binary(path) as f:
+            f.read()
+
+    def read_text():
+        with files.open_text(path) as f:
+            return list(f)
+
+    lines = set()
+    for read in (read_lines, read_chunks, read_all, read_text):
+        with pytest.raises(files.UnreadableFileError, match=r"corpus\.jsonl\.gz: line \d+: ") as e:
+            read()
+        assert isinstance(e.value, ValueError) and "truncated or corrupt" in str(e.value)
+        assert e.value.path == str(path)
+        lines.add(e.value.line)
+    # Every way of reading stops at the same line: the one after the last complete line.
+    assert len(lines) == 1
+    [line] = lines
+    assert 1 < line <= 60000 and data.split(b"\n")[line - 2].endswith(b"}")
+    path.write_bytes(whole)
+    assert read_lines() == 60000  # intact files read as before
+
+
+def test_corrupt_gzip_names_the_file(tmp_path):
+    whole = bytearray(gzip.compress(_lines(200)))
+    whole[len(whole) // 2] ^= 0xFF  # a flipped byte mid-stream
+    path = tmp_path / "flipped.gz"
+    path.write_bytes(bytes(whole))
+    flipped = r"flipped\.gz: line \d+: gzip data"
+    with pytest.raises(files.UnreadableFileError, match=flipped), files.open_binary(path) as f:
+        f.read()
+
+
+def test_invalid_utf8_in_text_names_the_file_and_line(tmp_path):
+    path = tmp_path / "train.tsv"
+    path.write_bytes(b"a\t1\nb\t0\ncaf\xe9\t1\nd\t0\n")
+    named = r"train\.tsv: line 3: invalid UTF-8 \(byte 0xe9"
+    with pytest.raises(UnicodeDecodeError, match=named), files.open_text(path) as f:
+        list(f)
+    with pytest.raises(files.UndecodableTextError) as e, files.open_text(path) as f:
+        f.read()
+    assert (e.value.path, e.value.line) == (str(path), 3)
+    # Picklable (raised in worker processes too) with its message intact.
+    assert str(pickle.loads(pickle.dumps(e.value))) == str(e.value)
+    path.write_bytes("caf\u00e9\n".encode())
+    with files.open_text(path) as f:
+        assert f.read() == "caf\u00e9\n"
+
+
+def test_stat_and_sha256_local_and_on_gcs(gcs, tmp_path):
+    local = tmp_path / "a.txt"
+    local.write_bytes(b"hello")
+    remote = gcs.url("test_files/a.txt")
+    files.write_atomic(remote, b"hello")
+    digest = hashlib.sha256(b"hello").hexdigest()
+    for path in (str(local), remote):
+        size, mtime_ns = files.stat(path)
+        assert size == 5 and abs(mtime_ns / 1e9 - time.time()) < 600
+        assert files.sha256(path) == digest
+    assert files.stat(local)[1] == os.stat(local).st_mtime_ns  # full resolution locally
