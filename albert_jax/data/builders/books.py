@@ -14,7 +14,8 @@ Cleaning, per book:
   paragraphs are separated by "\\n" (the convention of every document source here).
 
 Title = file name without suffixes (`austen/emma.txt` -> `emma`). Invalid UTF-8 is replaced and
-counted (`decode_errors`), empty books are skipped (`empty_documents`).
+counted (`decode_errors`), empty books are skipped (`empty_documents`); a compressed book cut
+short stops the build with an error naming it.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ Bad input is repaired or skipped, and counted: invalid UTF-8 is decoded with U+F
 replacement (`decode_errors`, per document), unparseable JSON lines are skipped
 (`bad_json_lines`), JSON values that are not an object with a string `text` are skipped
 (`bad_records`), records without a string title get `<file name>:<line number>`
-(`untitled_records`), empty documents are skipped (`empty_documents`).
+(`untitled_records`), empty documents are skipped (`empty_documents`). A compressed file that
+is cut short or corrupt stops the build with an error naming the file and the line.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Paths go through `albert_jax.files` (etils `epath`), so the same patterns work on a laptop and
 on a TPU VM reading from a bucket. Compressed inputs (gzip, bzip2) are decompressed while
-streaming (`files.open_binary`, by their magic bytes).
+streaming (`files.open_binary`, by their magic bytes); compressed data that is cut short or
+corrupt raises `files.UnreadableFileError` naming the file and the line it stops at.
 """
 
 from __future__ import annotations

@@ -12,8 +12,10 @@ The catalog's `wikipedia/<date>.<lang>` is used as is by `albert_jax.data.source
   are empty after cleaning (lists only, stubs made of templates) are skipped and counted
   (`empty_documents`).
 - Invalid UTF-8 bytes are replaced by U+FFFD and counted (`decode_errors`: the number of
-  replaced byte sequences); an XML error (a truncated download) ends that file's pages, is
-  logged and counted (`xml_errors`) and the build continues with the next file.
+  replaced byte sequences); an XML error (e.g. an uncompressed dump cut short) ends that
+  file's pages, is logged and counted (`xml_errors`) and the build continues with the next
+  file. Compressed data that is cut short or corrupt stops the build with an error naming the
+  file and the line (`files.UnreadableFileError`): that dump must be downloaded again.
 - Cleaning runs in `num_workers` processes (0 = automatic: one process for inputs under
   64 MiB, else one per CPU up to 16). Output order is the same for any number of workers.
 
