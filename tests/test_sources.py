@@ -1,17 +1,26 @@
-"""Named sources and mixtures: spec parsing, building, sharded deterministic reading."""
+"""Named sources and mixtures: spec parsing, building, sharded deterministic reading; prepared
+datasets refused when their inputs changed, rebuilt on request, and the tokenized cache
+following a rebuild."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import gzip
+import hashlib
 import json
+import logging
 import math
 import os
+import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 import tensorflow_datasets as tfds
 
-from albert_jax.data import sources
+from albert_jax import files
+from albert_jax.data import cache, pipeline, sources
 from albert_jax.data.builders import Documents, DocumentsConfig, counters
 from albert_jax.data.builders.base import file_format_for
 from albert_jax.data.sources import (
@@ -252,3 +261,166 @@ def test_prepare_sources_reports_every_source(demo_dir, tmp_path):
     # `books` of wiki_books has no files and is not prepared: a clear error.
     with pytest.raises(ValueError, match="files: 'books' is not prepared"):
         prepare_sources("wiki_books", data_dir=str(tmp_path))
+
+
+# ---------------------------------------------------------------- changed inputs, rebuild
+
+
+def _write_documents(path, n: int, word: str = "text") -> None:
+    path.write_text(
+        "".join(
+            json.dumps({"title": f"d{i}", "text": f"Document {i} {word}."}) + "\n" for i in range(n)
+        )
+    )
+
+
+def _total(builder) -> int:
+    return builder.info.splits.total_num_examples
+
+
+def _builders_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "albert_jax.data.builders", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+
+
+def test_changed_corpus_is_refused_until_rebuilt(tmp_path):
+    """The issue's repro: 5 documents built, the file rewritten with 60, built again. The
+    stale dataset is refused (naming the dataset, the file, what changed and the fix) until
+    `--rebuild` builds it from the file as it is now."""
+    corpus, data_dir = tmp_path / "mut.jsonl", str(tmp_path / "D")
+    spec = f"documents/mut={corpus}"
+    _write_documents(corpus, 5)
+    assert _total(build_source(spec, data_dir=data_dir)) == 5
+    _write_documents(corpus, 60)
+    with pytest.raises(ValueError) as refused:
+        build_source(spec, data_dir=data_dir)
+    message = str(refused.value)
+    assert f"documents/mut at {data_dir}/documents/mut/1.0.0" in message
+    assert f"{corpus}: size changed" in message and "--rebuild" in message
+    assert "rebuild=True" in message
+    # The same through the command line: an error, not a report of 5 documents.
+    args = [f"--sources={spec}", f"--data_dir={data_dir}"]
+    refused_cli = _builders_cli(*args)
+    assert refused_cli.returncode != 0 and "size changed" in refused_cli.stderr
+    assert '"documents": 5' not in refused_cli.stdout
+    rebuilt = _builders_cli(*args, "--rebuild")
+    assert rebuilt.returncode == 0, rebuilt.stderr[-3000:]
+    [report] = [json.loads(line) for line in rebuilt.stdout.splitlines() if line.startswith("{")]
+    assert report["counters"]["documents"] == 60
+    assert _total(build_source(spec, data_dir=data_dir)) == 60  # accepted again
+    assert (
+        num_documents("documents/mut", "train", data_dir)
+        + num_documents("documents/mut", "validation", data_dir)
+        == 60
+    )
+    # rebuild=True in the library; without files it rebuilds from the recorded ones.
+    _write_documents(corpus, 7)
+    assert _total(build_source(spec, data_dir=data_dir, rebuild=True)) == 7
+    _write_documents(corpus, 8)
+    assert _total(build_source("documents/mut", data_dir=data_dir, rebuild=True)) == 8
+    assert sorted(os.listdir(tmp_path / "D" / "documents")) == [".mut.lock", "mut"]
+    with pytest.raises(ValueError, match="rebuild: catalog dataset"):
+        build_source("wikipedia/20230601.en", data_dir=data_dir, rebuild=True)
+
+
+def test_what_counts_as_changed(tmp_path, monkeypatch):
+    """Same size and time: unchanged without reading. A new time on a small file: its content
+    hash decides (a copy or `touch` still matches; an edit of the same size does not). A
+    big file (not hashed): its size and time decide."""
+    corpus, data_dir = tmp_path / "c.jsonl", str(tmp_path / "D")
+    spec = f"documents/c={corpus}"
+    _write_documents(corpus, 5)
+    build_source(spec, data_dir=data_dir)
+    copy = tmp_path / "copy.jsonl"
+    shutil.copyfile(corpus, copy)
+    os.replace(copy, corpus)  # same bytes, a new file and time
+    os.utime(corpus, ns=(1, 1))
+    build_source(spec, data_dir=data_dir)
+    _write_documents(corpus, 5, word="TEXT")  # same size, other content
+    with pytest.raises(ValueError, match=r"c\.jsonl: content changed \(same size, other sha256\)"):
+        build_source(spec, data_dir=data_dir)
+    from albert_jax.data.builders import prepared
+
+    monkeypatch.setattr(prepared, "HASH_LIMIT", 10)  # every file is "big" now
+    build_source(spec, data_dir=data_dir, rebuild=True)
+    inputs = build_source(spec, data_dir=data_dir).info.metadata["inputs"]
+    assert [sorted(i) for i in inputs] == [["mtime_ns", "path", "size"]]  # not hashed
+    os.utime(corpus, ns=(2, 2))
+    with pytest.raises(ValueError, match=r"c\.jsonl: modification time changed"):
+        build_source(spec, data_dir=data_dir)
+    # Other files than those it was built from: refused with the rebuild command too.
+    (tmp_path / "d.jsonl").write_text('{"title": "x", "text": "y"}\n')
+    with pytest.raises(ValueError, match=r"other files \(1 files, now 2; e\.g\. new: .*--rebuild"):
+        build_source(f"documents/c={tmp_path}/*.jsonl", data_dir=data_dir)
+
+
+def test_dataset_prepared_without_fingerprint_loads_with_a_warning(tmp_path, caplog):
+    """Datasets prepared before fingerprints were recorded still load; a warning says that
+    they cannot be checked."""
+    corpus, data_dir = tmp_path / "old.jsonl", str(tmp_path / "D")
+    _write_documents(corpus, 5)
+    builder = build_source(f"documents/old={corpus}", data_dir=data_dir)
+    metadata_file = os.path.join(builder.data_dir, "metadata.json")
+    with open(metadata_file) as f:
+        metadata = json.load(f)
+    del metadata["inputs"], metadata["build_id"]  # as an older version wrote it
+    with open(metadata_file, "w") as f:
+        json.dump(metadata, f)
+    _write_documents(corpus, 6)
+    caplog.set_level(logging.WARNING)
+    assert _total(build_source(f"documents/old={corpus}", data_dir=data_dir)) == 5
+    assert "cannot be checked" in caplog.text and "documents/old" in caplog.text
+    assert sources.build_identity(f"documents/old={corpus}", data_dir) == ""
+
+
+def test_inputs_on_gcs_are_fingerprinted(gcs, tmp_path):
+    """gs:// inputs: size and time from the object's metadata (whole seconds), content hash
+    for small objects; a same-size rewrite is caught by the hash."""
+    corpus, data_dir = gcs.url("test_sources/fingerprint/g.jsonl"), str(tmp_path / "D")
+    spec = f"documents/g={corpus}"
+    first = b'{"title": "a", "text": "First version."}\n{"title": "b", "text": "Kept."}\n'
+    files.write_atomic(corpus, first)
+    builder = build_source(spec, data_dir=data_dir)
+    [record] = builder.info.metadata["inputs"]
+    assert record["path"] == corpus and record["size"] == len(first)
+    assert record["sha256"] == hashlib.sha256(first).hexdigest()
+    time.sleep(1.1)  # object times have whole seconds
+    files.write_atomic(corpus, first.replace(b"First", b"Other"))
+    with pytest.raises(ValueError, match=r"g\.jsonl: content changed"):
+        build_source(spec, data_dir=data_dir)
+    rebuilt = build_source(spec, data_dir=data_dir, rebuild=True)
+    texts = {
+        d["text"]
+        for split in ("train", "validation")
+        for d in iter_documents("documents/g", split=split, data_dir=data_dir)
+    }
+    assert texts == {"Other version.", "Kept."}
+    assert rebuilt.info.metadata["build_id"] != builder.info.metadata["build_id"]
+
+
+def test_tokenized_cache_follows_a_rebuild(tokenizer, tmp_path):
+    """The tokenized cache keys on the source's name and files: after a rebuild from changed
+    files it holds the old build's tokens; the build id it records makes it tokenize again."""
+    corpus, data_dir = tmp_path / "t.jsonl", str(tmp_path / "D")
+    _write_documents(corpus, 5)
+    spec = f"documents/t={corpus}"
+
+    def tokenized() -> dict:
+        [source] = pipeline.sources_from_spec(spec, data_dir)
+        _, stats, _ = cache.load_tokenized(
+            source, tokenizer, split="train", shard_index=0, shard_count=1,
+            cache_dir=str(tmp_path / "cache"),
+        )  # fmt: skip
+        return stats
+
+    assert tokenized()["documents"] == 4  # 1 of 5 held out
+    _write_documents(corpus, 60)
+    build_source(spec, data_dir=data_dir, rebuild=True)
+    assert tokenized()["documents"] == num_documents("documents/t", "train", data_dir) == 59
+    assert tokenized()["documents"] == 59  # and read back, not rebuilt, from then on
+    assert len(os.listdir(tmp_path / "cache")) == 1  # the one entry, replaced

@@ -4,6 +4,10 @@ An entry is a directory `<cache_dir>/<source>[.<key hash>].<split>.<i>-of-<n>.<t
 hash>.v<version>/` holding a `TokenizedCorpus` (`tokens.npy [T]`, `sentence_starts.npy
 [n_sent+1]`, `doc_starts.npy [n_doc+1]`) and `stats.json` (the build counters). `stats.json` is
 written last and is the entry's commit marker: entries without it are rebuilt, never read.
+It also records the build id of the prepared dataset the entry was tokenized from
+(`DocumentSource.build_identity`): an entry of an earlier build of a dataset (rebuilt since
+under the same name, from changed files) is tokenized again, not read. Where the dataset is
+not prepared (another host, or deleted since), the entry is used as it is.
 Every file is written atomically (`files.open_atomic`), so processes building the same entry
 at once (they write the same bytes) are safe on a local disk and on an object store alike,
 which has no directory rename.
@@ -29,6 +33,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
+from absl import logging
 from etils import epath
 
 from albert_jax import files
@@ -42,6 +47,8 @@ if TYPE_CHECKING:
 CACHE_VERSION = 1
 ARRAYS = ("tokens", "sentence_starts", "doc_starts")  # the fields of a TokenizedCorpus
 MARKER = "stats.json"  # written last: an entry without it is incomplete
+# In `stats.json`: the build id of the prepared dataset the entry was tokenized from.
+BUILD_KEY = "dataset_build"
 DEFAULT_NAME = "albert_jax_cache"
 
 
@@ -187,11 +194,32 @@ def load_tokenized(
     """
     entry = files.as_path(cache_path(cache_dir, source, split, shard_index, shard_count, tokenizer))
     local = entry if files.is_local(entry) else _mirror(entry)
-    if not (entry / MARKER).is_file():
+    build = source.build_identity() if source.build_identity is not None else None
+    stats = _marker(entry)
+    if stats is None or (build is not None and stats.get(BUILD_KEY, "") != build):
+        if stats is not None:
+            logging.info(
+                "%s: tokenized from another build of %s; tokenizing again", entry, source.name
+            )
+            # Uncommitted first: no reader may pair the old marker with arrays being replaced.
+            (entry / MARKER).unlink(missing_ok=True)
         corpus, stats = _build(source, tokenizer, split, shard_index, shard_count, num_workers)
+        if build is None and source.build_identity is not None:
+            build = source.build_identity()  # reading the documents prepared the dataset
+        if build:
+            stats[BUILD_KEY] = build
         save_corpus(entry, corpus, stats)
         if local != entry:  # the builder keeps a local copy instead of downloading it again
             save_corpus(local, corpus, stats)
-    elif not (local / MARKER).is_file():
-        _download(entry, local)
-    return load_corpus(local), files.read_json(local / MARKER), str(local)
+    elif local != entry:
+        mirrored = _marker(local)
+        if mirrored is None or mirrored.get(BUILD_KEY, "") != stats.get(BUILD_KEY, ""):
+            _download(entry, local)
+    counters = files.read_json(local / MARKER)
+    counters.pop(BUILD_KEY, None)
+    return load_corpus(local), counters, str(local)
+
+
+def _marker(entry: epath.Path) -> dict | None:
+    """The committed `stats.json` of an entry, or None (no entry, or an incomplete one)."""
+    return files.read_json(entry / MARKER) if (entry / MARKER).is_file() else None

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
@@ -136,13 +137,16 @@ class DocumentSource:
 
     `documents(split, shard_index, shard_count)` yields `{"title", "text"}` dicts of one shard;
     shards of different indices must be disjoint. `name` plus `cache_key` must identify the
-    content: they key the tokenized cache.
+    content: they key the tokenized cache. `build_identity()`, when given, names the build
+    the documents come from now (a prepared dataset's build id; None where it is not
+    prepared): a cache entry tokenized from another build is tokenized again.
     """
 
     name: str
     weight: float
     documents: Callable[[str, int, int], Iterable[dict]]
     cache_key: str = ""
+    build_identity: Callable[[], str | None] | None = None
 
 
 def sources_from_spec(spec: str, data_dir: str | None = None) -> list[DocumentSource]:
@@ -166,5 +170,11 @@ def sources_from_spec(spec: str, data_dir: str | None = None) -> list[DocumentSo
         key = json.dumps(
             [[files.absolute(f) for f in src.files], files.absolute(data_dir) if data_dir else None]
         )
-        out.append(DocumentSource(src.name, float(src.weight), documents, cache_key=key))
+        # Called at cache lookup; it never builds (a cache entry needs no dataset to be read).
+        identity = functools.partial(tfds_sources.build_identity, src, data_dir)
+        out.append(
+            DocumentSource(
+                src.name, float(src.weight), documents, cache_key=key, build_identity=identity
+            )
+        )
     return out

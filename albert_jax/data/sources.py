@@ -15,8 +15,11 @@ Notes: (1) one sentence per line, a blank line between documents; (2) never down
 
 CONFIG names the prepared dataset (its folder `<data_dir>/<builder>/<CONFIG>/1.0.0`); it
 defaults to `default` (`raw_text` for `raw_text`). A prepared local dataset remembers the
-files it was built from: asking for the same name with other files raises a ValueError
-instead of silently reading stale data.
+files it was built from and their fingerprints (size, modification time, content hash of
+small files: `builders.prepared`): asking for the same name with other files, or with files
+that changed since, raises a ValueError instead of silently reading stale data;
+`build_source(..., rebuild=True)` (`python -m albert_jax.data.builders --rebuild`) builds it
+again from the files as they are now.
 
 Mixture specs (`parse_sources`): comma-separated `NAME[=FILES][:WEIGHT]`, FILES being
 `;`-separated paths, globs or directories, e.g.
@@ -43,9 +46,7 @@ once (e.g. process 0, or `python -m albert_jax.data.builders`) before the others
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import math
 import os
 import re
@@ -53,12 +54,19 @@ from collections.abc import Iterator, Sequence
 
 import tensorflow_datasets as tfds
 from absl import logging
+from tensorflow_datasets.core.dataset_info import DatasetInfoFileError
 
 from albert_jax import files
 from albert_jax.data.builders.base import LocalTextBuilder, counters, hide_gpus_from_tensorflow
 from albert_jax.data.builders.books import Books, BooksConfig
 from albert_jax.data.builders.demo import Demo
 from albert_jax.data.builders.documents import Documents, DocumentsConfig
+from albert_jax.data.builders.prepared import (
+    build_lock,
+    check_inputs,
+    delete_prepared,
+    recorded_files,
+)
 from albert_jax.data.builders.text_files import resolve_files
 from albert_jax.data.builders.wikipedia_dump import WikipediaDump, WikipediaDumpConfig
 
@@ -245,28 +253,12 @@ def _local_builder(
     return local.builder(config=config, data_dir=data_dir)
 
 
-def _check_same_inputs(builder: LocalTextBuilder, files: tuple[str, ...]) -> None:
-    """Refuses to reuse a prepared dataset that was built from other inputs."""
-    metadata = builder.info.metadata or {}
-    where = f"{builder.name}/{builder.config.name} at {builder.data_dir}"
-    recorded_config = metadata.get("config")
-    if recorded_config is not None and recorded_config != builder._config_record():
-        raise ValueError(
-            f"source: {where} was built with {recorded_config}, not "
-            f"{builder._config_record()}; pick another config name (e.g. 'documents/mine')."
-        )
-    if files and metadata.get("files") != resolve_files(files, builder.FILE_SUFFIXES):
-        raise ValueError(
-            f"files: {where} was built from other files ({len(metadata.get('files', []))} "
-            "files); pick another config name (e.g. 'books/mine') or delete that folder."
-        )
-
-
 def build_source(
     source: Source | str,
     *,
     data_dir: str | os.PathLike | None = None,
     files: str | Sequence[str] | None = None,
+    rebuild: bool = False,
 ) -> tfds.core.DatasetBuilder:
     """Returns the dataset builder of `source`, preparing our local datasets if needed.
 
@@ -275,7 +267,11 @@ def build_source(
       data_dir: TFDS data dir; None: `$TFDS_DATA_DIR`, else `~/tensorflow_datasets`.
       files: inputs of our builders (paths, globs, directories); overrides `source.files`.
         Not needed once the dataset is prepared; if given, they must be the files it was
-        built from.
+        built from, unchanged since (size and modification time, or content for files up to
+        64 MiB: see `builders.prepared`).
+      rebuild: delete the prepared dataset (this version of it) and build it again from
+        `files` (default: the files it was built from). Under the build lock in a local data
+        dir; nothing may read the dataset meanwhile. Our local sources only.
 
     Returns:
       A `tfds.core.DatasetBuilder`. Our datasets are prepared (ArrayRecord in a local data dir,
@@ -285,7 +281,8 @@ def build_source(
 
     Raises:
       ValueError: unknown name, files for a source that takes none, no files for an unprepared
-        local dataset, or a prepared dataset built from other files.
+        local dataset, rebuild of a catalog dataset, or a prepared dataset built from other
+        files or from files that changed since (the message says how to rebuild it).
     """
     source = _as_source(source)
     data_dir = _resolve_data_dir(data_dir)
@@ -293,48 +290,73 @@ def build_source(
     if not source.is_local:
         if files:
             raise ValueError(f"files: catalog dataset {source.name!r} takes no files")
+        if rebuild:
+            raise ValueError(f"rebuild: catalog dataset {source.name!r} is never built here")
         _check_catalog_name(source.name)
         return tfds.builder(source.name, data_dir=data_dir)
-    file_tuple = (files,) if isinstance(files, str) else tuple(files or source.files)
-    builder = _local_builder(source, data_dir, file_tuple)
+    given = (files,) if isinstance(files, str) else tuple(files or source.files)
+    builder = _local_builder(source, data_dir, given)
+    if rebuild:
+        return _rebuild(source, builder, data_dir, given)
     if builder.is_prepared():
-        _check_same_inputs(builder, file_tuple if files or source.files else ())
+        # Only files the caller named are compared: a name alone means "use what is there".
+        check_inputs(builder, source.name, given, data_dir)
         return builder
     if not builder.config.files:
         raise ValueError(
             f"files: {source.name!r} is not prepared in {builder.data_dir} and has no input "
             f"files; pass build_source(..., files=...) or the spec '{source.name}=/path/...'"
         )
-    with _build_lock(builder):
+    with build_lock(builder):
         # Another process may have built it while we waited: look at the disk again.
-        builder = _local_builder(source, data_dir, file_tuple)
+        builder = _local_builder(source, data_dir, given)
         if builder.is_prepared():
+            check_inputs(builder, source.name, given, data_dir)
             return builder
         builder.download_and_prepare()
     logging.info("built %s at %s: %s", source.name, builder.data_dir, counters(builder))
     return builder
 
 
-@contextlib.contextmanager
-def _build_lock(builder: LocalTextBuilder) -> Iterator[None]:
-    """Serializes builds of one dataset by processes of one machine (local data dirs).
+def _rebuild(
+    source: Source, builder: LocalTextBuilder, data_dir: str | None, given: tuple[str, ...]
+) -> LocalTextBuilder:
+    """`build_source(..., rebuild=True)`: delete the prepared version, build it again."""
+    if not given and builder.is_prepared():
+        given = recorded_files(builder)
+        builder = _local_builder(source, data_dir, given)
+    if not builder.config.files:
+        raise ValueError(
+            f"files: cannot rebuild {source.name!r} in {builder.data_dir}: no input files "
+            f"given or recorded; pass the spec '{source.name}=/path/...'"
+        )
+    # The inputs must exist before the old dataset goes (a typo must not cost the dataset).
+    resolve_files(builder.config.files, builder.FILE_SUFFIXES)
+    with build_lock(builder):
+        delete_prepared(builder)
+        # A new builder: the old one holds the deleted dataset's info and file format.
+        builder = _local_builder(source, data_dir, given)
+        builder.download_and_prepare()
+    logging.info("rebuilt %s at %s: %s", source.name, builder.data_dir, counters(builder))
+    return builder
 
-    Processes that start together (one per device on a host) would otherwise all generate the
-    same dataset; with the lock, one builds and the others then read. Remote data dirs
-    (gs://) have no such lock: prepare them beforehand (`prepare_sources`).
-    """
-    config_dir = files.as_path(builder.data_dir).parent  # <root>/<name>/<config>
-    if not files.is_local(config_dir):
-        yield
-        return
-    config_dir.parent.mkdir(parents=True, exist_ok=True)
-    # A local path: epath opens it with the built-in `open`, a real file for `flock`.
-    with (config_dir.parent / f".{config_dir.name}.lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+
+def build_identity(source: Source | str, data_dir: str | os.PathLike | None = None) -> str | None:
+    """The build id of the prepared dataset of `source` (new with every build of ours; "" for
+    catalog datasets and ours prepared before builds had one), or None where it is not
+    prepared. Never builds. What is derived from a dataset (the tokenized cache) records it."""
+    source = _as_source(source)
+    if not source.is_local:
+        return ""
+    try:
+        builder = _local_builder(source, _resolve_data_dir(data_dir), source.files)
+    except DatasetInfoFileError as e:
+        # Seen on object stores just after a deletion (TF's gs:// listing cache): unknown.
+        logging.warning("%s: cannot read its dataset info (%s); taken as not prepared", source, e)
+        return None
+    if not builder.is_prepared():
+        return None
+    return str((builder.info.metadata or {}).get("build_id", ""))
 
 
 def _prepared_builder(source: Source, data_dir: str | None) -> tfds.core.DatasetBuilder:
@@ -421,13 +443,18 @@ def _read_shard(
 
 
 def prepare_sources(
-    spec: str | Sequence[Source], *, data_dir: str | os.PathLike | None = None
+    spec: str | Sequence[Source],
+    *,
+    data_dir: str | os.PathLike | None = None,
+    rebuild: bool = False,
 ) -> list[dict[str, object]]:
     """Builds the local sources of a mixture (run once, on one process) and reports on each.
 
     Args:
       spec: a mixture spec (see `parse_sources`) or parsed sources.
       data_dir: TFDS data dir (None: `$TFDS_DATA_DIR`, else TFDS's default).
+      rebuild: rebuild our local sources from their files (see `build_source`); catalog
+        datasets are reported as they are.
 
     Returns:
       One dict per source: `source`, `weight`, `data_dir`, `prepared`, and once prepared
@@ -436,7 +463,7 @@ def prepare_sources(
     mixture = parse_sources(spec) if isinstance(spec, str) else list(spec)
     reports: list[dict[str, object]] = []
     for source in mixture:
-        builder = build_source(source, data_dir=data_dir)
+        builder = build_source(source, data_dir=data_dir, rebuild=rebuild and source.is_local)
         report: dict[str, object] = {
             "source": source.name,
             "weight": source.weight,

@@ -6,6 +6,13 @@
 Run it once before a multi-host job, so that hosts only read. One JSON object per source
 (see `albert_jax.data.sources.prepare_sources`); catalog datasets are reported with
 `"prepared": true|false` and never downloaded.
+
+A prepared dataset whose input files changed since it was built is refused (the error names
+the file and what changed); `--rebuild` deletes the prepared datasets of the local sources
+listed and builds them again from their files as they are now (from the files they were built
+from when the spec names none):
+
+    python -m albert_jax.data.builders --sources="documents/mine=/data/mine.jsonl" --rebuild
 """
 
 from __future__ import annotations
@@ -23,13 +30,19 @@ _SOURCES = flags.DEFINE_string(
 _DATA_DIR = flags.DEFINE_string(
     "data_dir", None, "TFDS data dir (default: $TFDS_DATA_DIR, else ~/tensorflow_datasets)."
 )
+_REBUILD = flags.DEFINE_bool(
+    "rebuild",
+    False,
+    "Delete the prepared datasets of the local sources in --sources and build them again "
+    "from their files as they are now (nothing may read them meanwhile).",
+)
 
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     try:
-        reports = prepare_sources(_SOURCES.value, data_dir=_DATA_DIR.value)
+        reports = prepare_sources(_SOURCES.value, data_dir=_DATA_DIR.value, rebuild=_REBUILD.value)
     except ValueError as e:
         sys.exit(f"error: {e}")
     for report in reports:

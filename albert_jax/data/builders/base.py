@@ -10,6 +10,9 @@ sentences separated by "\\n") with two splits:
   the smallest title hash instead (recorded as `validation_fallback_title` in the metadata).
 - `train`: all the other documents.
 
+The metadata also records the inputs' fingerprints and a build id (see `prepared.py`), so that
+a dataset is never silently used with inputs that changed since it was built.
+
 TFDS runs one pass over the inputs per split. Counters (what was skipped or repaired) are
 kept per split and stored in the dataset's `metadata.json`; `counters(builder)` reads them.
 Counters about documents (written, empty, decode errors) are counted in the pass of the
@@ -39,6 +42,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 from absl import logging
 
+from albert_jax.data.builders.prepared import fingerprint, new_build_id
 from albert_jax.data.builders.text_files import resolve_files
 from albert_jax.files import is_local
 
@@ -173,6 +177,9 @@ class LocalTextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         self.info.metadata.update(
             {
                 "files": files,
+                # Taken before reading: a file changed during the build then reads as changed.
+                "inputs": fingerprint(files),
+                "build_id": new_build_id(),
                 "config": self._config_record(),
                 "counters": {},
             }
