@@ -27,12 +27,14 @@ This is the one file to change when moving to Orbax V1.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import FrameType
 from typing import Any
 
@@ -79,6 +81,18 @@ def abstract_like(tree: PyTree, shardings: PyTree | None = None) -> PyTree:
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
     )
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that could not be written or read; names the step and its directory."""
+
+
+def describe_error(error: BaseException, limit: int = 400) -> str:
+    """`"Type: first line of the message"`, cut to `limit` characters: the reason of a failed
+    save or restore in one line (Orbax / TensorStore messages run to many lines)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclasses.dataclass
@@ -132,6 +146,8 @@ class Checkpointer:
             create=not read_only,
         )
         self._manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
+        self._last_save: int | None = None  # step of the last save started (errors name it)
+        self._failed = False  # a failed save was reported
 
     # ------------------------------------------------------------------------------ queries
     def latest_step(self) -> int | None:
@@ -175,15 +191,58 @@ class Checkpointer:
             data=ocp.args.JsonSave(data),
             meta=ocp.args.JsonSave(dict(meta)),
         )
-        return self._manager.save(step, args=args, force=force)
+        # Orbax waits for the previous save before it starts one anyway; waiting here names a
+        # failure of that save as its own.
+        self.wait()
+        with self._failures(step):
+            started = self._manager.save(step, args=args, force=force)
+        self._last_save = step if started else self._last_save
+        return started
+
+    def delete(self, step: int) -> None:
+        """Removes a committed step (one that cannot be restored)."""
+        self._manager.delete(step)
+
+    def check_for_errors(self) -> None:
+        """Raises `CheckpointError` (naming the step and its directory) if a save writing in
+        the background has failed; a few attribute reads when none has."""
+        if self._last_save is not None:
+            with self._failures(self._last_save):
+                self._manager.check_for_errors()
 
     def wait(self) -> None:
-        """Blocks until every started save is committed."""
-        self._manager.wait_until_finished()
+        """Blocks until every started save is committed; raises `CheckpointError` if one
+        failed."""
+        with self._failures(self._last_save):
+            self._manager.wait_until_finished()
+            self._manager.check_for_errors()
+
+    @contextlib.contextmanager
+    def _failures(self, step: int | None) -> Iterator[None]:
+        """Turns an Orbax / TensorStore / OS error of the save of `step` into one
+        `CheckpointError` naming the step, its directory and the checkpoints still intact."""
+        try:
+            yield
+        except Exception as e:
+            if self._failed:  # more of a failure already reported (the run is stopping)
+                logging.warning("after the failed save: %s", describe_error(e))
+                return
+            self._failed = True
+            # The failed save's abandoned write coroutines, closed now rather than at
+            # interpreter exit (where each one prints a traceback as its cleanup fails).
+            gc.collect()
+            where = f"step {step} to {self.step_dir(step)}" if step is not None else self.directory
+            intact = [s for s in self._manager.all_steps() if s != step]
+            raise CheckpointError(
+                f"saving the checkpoint of {where} failed ({describe_error(e)}); the run stops "
+                f"here. Checkpoints intact: {sorted(intact) or 'none'} under {self.directory}"
+            ) from e
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
 
     def __enter__(self) -> Checkpointer:
         return self

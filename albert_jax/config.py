@@ -6,6 +6,7 @@ Field names follow the official `albert_config.json`, so a released config reads
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -49,6 +50,17 @@ _PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 PRESETS = tuple(_PRESETS)
+# Fields that change how a model is computed, stored or regularized, not the function its
+# weights define: a fine-tuning config may change them on a pretrained model, and a resumed run
+# on its checkpoint. The others define the architecture.
+RUNTIME_FIELDS = (
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "dtype",
+    "param_dtype",
+    "remat_policy",
+    "scan_layers",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +198,17 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig fields {unknown}")
         return cls(**d)
+
+    def architecture_differences(self, saved: Mapping[str, Any]) -> list[str]:
+        """`"field: checkpoint X, config Y"` for each architecture field (not `RUNTIME_FIELDS`)
+        in which `saved` (a checkpoint's `model_config` dict) differs from this config; a field
+        the checkpoint does not record (older checkpoints) is taken at its default."""
+        defaults = ModelConfig().to_dict()
+        return [
+            f"{name}: checkpoint {saved.get(name, defaults[name])!r}, config {value!r}"
+            for name, value in self.to_dict().items()
+            if name not in RUNTIME_FIELDS and saved.get(name, defaults[name]) != value
+        ]
 
     @classmethod
     def from_json(cls, path: str, **overrides: Any) -> ModelConfig:

@@ -65,7 +65,7 @@ from albert_jax.tasks.batching import Features, eval_batches, train_batch
 from albert_jax.tasks.kinds import get_kind
 from albert_jax.tasks.local import ReadStats
 from albert_jax.tasks.registry import TaskSpec
-from albert_jax.train_config import mesh_layout, write_run_config
+from albert_jax.train_config import mesh_layout
 
 __all__ = [
     "finetune_and_evaluate",
@@ -378,6 +378,7 @@ class FineTuning:
     def data_report(self) -> dict[str, Any]:
         def read(stats: Any) -> dict[str, Any]:
             return {"read": stats.read, "kept": stats.kept, "skipped": dict(stats.skipped),
+                    "first_skipped": dict(stats.first_skipped),  # where: "file:line"
                     "adjusted": dict(stats.adjusted)}  # fmt: skip
 
         return {
@@ -420,7 +421,6 @@ def finetune_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     """
     spec = validate_config(config)
     workdir = files.absolute(workdir)
-    write_run_config(config, workdir)
     mesh = create_mesh(*mesh_layout(config))
     objective = FineTuning(config, workdir, spec, mesh)
     loop = Loop(objective, config, workdir, mesh)

@@ -12,21 +12,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from albert_jax.config import ModelConfig
+from albert_jax.config import RUNTIME_FIELDS, ModelConfig
 from albert_jax.tasks import registry
 from albert_jax.tasks.registry import TaskSpec
-
-# ModelConfig fields a fine-tuning config may change on a pretrained model; the others define
-# the architecture and come from the checkpoint.
-RUNTIME_MODEL_FIELDS = (
-    "hidden_dropout_prob",
-    "attention_probs_dropout_prob",
-    "dtype",
-    "param_dtype",
-    "remat_policy",
-    "scan_layers",
-)
-
 
 # Every field the loop reads; anything else in a config is a typo (see `validate_config`).
 KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
@@ -37,7 +25,7 @@ KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
         "eval_batch_size", "num_train_steps", "num_train_epochs", "warmup_steps",
         "warmup_fraction", "lr_poly_power", "weight_decay", "grad_clip_norm", "b1", "b2", "eps",
         "mesh", "seed", "log_every_steps", "eval_every_steps", "checkpoint_every_steps",
-        "keep_checkpoints", "debug",
+        "keep_checkpoints", "resume_strict", "debug",
     ),
     "data": (
         "train_files", "eval_files", "data_dir", "train_split", "eval_split", "race_levels",
@@ -73,11 +61,11 @@ def validate_config(config: Any) -> TaskSpec:
             f"config.model has unknown fields {unknown}; known: {sorted(model_fields)}"
         )
     if config.init:
-        fixed = sorted(_keys(config.model) - set(RUNTIME_MODEL_FIELDS))
+        fixed = sorted(_keys(config.model) - set(RUNTIME_FIELDS))
         if fixed:
             raise ValueError(
                 f"config.model.{fixed[0]} cannot change a pretrained model (init={config.init!r});"
-                f" only {RUNTIME_MODEL_FIELDS} may be set"
+                f" only {RUNTIME_FIELDS} may be set"
             )
     for name in ("batch_size", "eval_batch_size", "max_seq_length", "log_every_steps"):
         if int(config[name]) < 1:

@@ -44,9 +44,9 @@ import optax
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from albert_jax import checkpointing, flops, metrics_writer, optim, trees
+from albert_jax import checkpointing, flops, metrics_writer, optim, resume, trees
 from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, put_batch
-from albert_jax.train_config import config_field
+from albert_jax.train_config import config_field, write_run_config
 
 PyTree = Any
 Batch = Mapping[str, np.ndarray]
@@ -306,6 +306,9 @@ class Loop:
             out_shardings=self.replicated if objective.eval_reduces else self.batch_sharding,
         )
         self.state, self.start_step = self._restore_or_initialize()
+        # Only a run whose config passed every check (the objective's, the resume's) records
+        # it: a refused restart keeps the config.json of the run it would have continued.
+        write_run_config(config, workdir)
         self._interval: tuple[int, float] | None = None  # (step, time) where it started
         self._excluded = 0.0  # seconds of evaluation / checkpointing inside the interval
         self.last_record: dict[str, Any] = {}
@@ -329,12 +332,14 @@ class Loop:
             source = self.checkpointer
             if plan.kind == "resume_from":  # another run's full state; we save into ours
                 source = stack.enter_context(checkpointing.Checkpointer(plan.path, read_only=True))
-            saved_data = source.read_json(plan.step, "data")
-            objective.check_resume(saved_data, plan.step)  # before the arrays are read
-            restored = source.restore(
+            restored = resume.restore_newest_intact(
+                source,
                 plan.step,
                 checkpointing.abstract_like(layout.abstract.params, layout.shardings.params),
                 checkpointing.abstract_like(layout.abstract.opt_state, layout.shardings.opt_state),
+                check=lambda step, data, meta: self._check_resumable(plan.path, step, data, meta),
+                strict=bool(config_field(config, "resume_strict", False)),
+                prune=plan.kind == "workdir",
             )
         state = TrainState(
             step=jax.device_put(np.int32(restored.step), self.replicated),
@@ -346,6 +351,19 @@ class Loop:
         logging.info("resumed at step %d from %s (%s); dropped %d stale metric lines",
                      restored.step, plan.path, plan.kind, dropped)  # fmt: skip
         return state, restored.step
+
+    def _check_resumable(self, path: str, step: int, data: Any, meta: Any) -> None:
+        """Refuses a checkpoint of another model (before its arrays are read: they would not
+        fit) and one whose data state the objective cannot continue."""
+        saved = meta.get("model_config") if isinstance(meta, Mapping) else None
+        differ = self.objective.model_config.architecture_differences(saved or {})
+        if isinstance(saved, Mapping) and differ:
+            raise ValueError(
+                f"cannot resume {path} at step {step}: its model differs from this config's "
+                f"({'; '.join(differ)}); restore the model settings (config.json of that run, "
+                "config.model.*, size) or use a new --workdir"
+            )
+        self.objective.check_resume(data, step)
 
     # --------------------------------------------------------------------------- evaluation
     def put(self, local_batch: Batch, global_batch: int) -> dict[str, jax.Array]:
@@ -415,6 +433,7 @@ class Loop:
                 # Step `step` is queued; only now wait for the numbers of the one before.
                 if pending is not None:
                     self._finish(pending)
+                self.checkpointer.check_for_errors()  # a failed background save stops the run
                 pending = _Pending(step, metrics)
                 if step == sigterm_after:
                     checkpointing.send_preemption_notice()

@@ -15,6 +15,7 @@ the same command again resumes.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 from absl import app, flags, logging
@@ -106,8 +107,40 @@ def main(argv: list[str]) -> None:
     sys.stdout.flush()
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with a misspelt `--config.` override reported in one line.
+
+    ml_collections raises a bare AttributeError / KeyError (a traceback) for a field the
+    config does not have; this names the override and the closest known field instead.
+    """
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:  # absl's own usage errors, reported as absl reports them
+        sys.stderr.write(f"FATAL Flags parsing error: {e}\n")
+        sys.stderr.write("Pass --helpshort or --helpfull to see help on flags.\n")
+        sys.exit(1)
+    except (AttributeError, KeyError) as e:
+        sys.stderr.write(unknown_override_message(argv, e) + "\n")
+        sys.exit(1)
+
+
+def unknown_override_message(argv: list[str], error: BaseException) -> str:
+    """`config: unknown field 'lerning_rate' in --config.lerning_rate=1; did you mean
+    'learning_rate'?` from ml_collections' error for an unknown override."""
+    text = str(error.args[0]) if error.args else str(error)
+    match = re.search(r'Did you mean "([^"]+)" instead of "([^"]+)"', text)
+    key = match.group(2) if match else text.strip("'\"").splitlines()[0].strip("'\"")
+    flag = next(
+        (a for a in argv if a.startswith("--config.") and key in a.split("=")[0].split(".")),
+        None,
+    )
+    where = f" in {flag}" if flag else ""
+    hint = f"; did you mean {match.group(1)!r}?" if match else ""
+    return f"config: unknown field {key!r}{where}{hint}"
+
+
 def run() -> None:
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Restoring a run: params-only initialization from another model, and the input pipeline's
-position (one state per data shard) saved with every checkpoint.
+"""Restoring a run: the newest checkpoint that restores (falling back past damaged ones),
+params-only initialization from another model, and the input pipeline's position (one state
+per data shard) saved with every checkpoint.
 """
 
 from __future__ import annotations
@@ -13,9 +14,96 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from albert_jax import trees
+from albert_jax import checkpointing, trees
 
 PyTree = Any
+
+
+def restore_newest_intact(
+    source: checkpointing.Checkpointer,
+    newest: int,
+    abstract_params: PyTree,
+    abstract_opt_state: PyTree,
+    check: Callable[[int, Any, Any], None],
+    *,
+    strict: bool,
+    prune: bool,
+) -> checkpointing.Restored:
+    """The newest checkpoint of `source` at or before step `newest` that restores.
+
+    A checkpoint whose items cannot be read (a truncated array file, an emptied JSON item) is
+    reported with its directory and the reason, and the next older one is tried; with `strict`
+    the run stops there instead. It never starts from scratch over unreadable checkpoints.
+    With `prune` (the run's own workdir) the unreadable steps are deleted once an older one has
+    restored: Orbax saves only steps after its latest, so a damaged step left in place would
+    block every save up to it and be picked again by each restart.
+
+    Args:
+      source: the checkpoints to read.
+      newest: the step to try first (the latest committed one).
+      abstract_params / abstract_opt_state: restore targets (with shardings).
+      check: `check(step, data, meta)` refuses (ValueError) a checkpoint this run cannot
+        continue (another model, another data state). A refusal is about the config, not a
+        damaged checkpoint: it stops the run.
+      strict: stop at the first unreadable checkpoint (`config.resume_strict`).
+      prune: delete the unreadable steps after a successful fallback.
+
+    Raises:
+      CheckpointError: `strict` and the newest checkpoint cannot be read, or none can be.
+      ValueError: from `check`.
+    """
+    unreadable: list[tuple[int, str]] = []
+    for step in sorted((s for s in source.all_steps() if s <= newest), reverse=True):
+        where = source.step_dir(step)
+        saved, reason = _agreed(_json_items, source, step)
+        if reason is None:
+            check(step, *saved)
+            restored, reason = _agreed(source.restore, step, abstract_params, abstract_opt_state)
+        if reason is None:
+            break
+        logging.error("checkpoint %s cannot be restored: %s", where, reason)
+        if strict:
+            raise checkpointing.CheckpointError(
+                f"checkpoint {where} (step {step}) cannot be restored ({reason}); "
+                "config.resume_strict=True stops here: repair or remove it, or unset "
+                "resume_strict to resume from the newest earlier checkpoint that restores"
+            )
+        unreadable.append((step, reason))
+    else:
+        listed = "; ".join(f"step {s}: {r}" for s, r in unreadable) or "none committed"
+        raise checkpointing.CheckpointError(
+            f"no checkpoint under {source.directory} can be restored ({listed}); the run does "
+            "not start from scratch over them: remove that directory to do so, or use "
+            "another --workdir"
+        )
+    if unreadable:
+        steps = [s for s, _ in unreadable]
+        if prune:
+            for bad in steps:
+                source.delete(bad)
+        logging.warning(
+            "resumed from step %d, the newest checkpoint that restores; unreadable: %s (%s)",
+            step, steps, "deleted" if prune else "left in place",
+        )  # fmt: skip
+    return restored
+
+
+def _json_items(source: checkpointing.Checkpointer, step: int) -> tuple[Any, Any]:
+    return source.read_json(step, "data"), source.read_json(step, "meta")
+
+
+def _agreed(read: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
+    """(read(*args), None), or (None, the reason it failed); with several processes, a failure
+    on any of them counts for all, so that they all fall back to the same step."""
+    try:
+        value, reason = read(*args), None
+    except Exception as e:  # Orbax, TensorStore, JSON and OS errors alike
+        value, reason = None, checkpointing.describe_error(e)
+    if jax.process_count() > 1:
+        failed = multihost_utils.process_allgather(np.int32(reason is not None))
+        if reason is None and np.any(failed):
+            value, reason = None, "unreadable on another process"
+    return value, reason
 
 
 def load_params_only(path: str, abstract: Mapping[str, Any]) -> dict[str, np.ndarray]:

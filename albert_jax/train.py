@@ -40,7 +40,7 @@ from albert_jax.resume import (
     saved_num_shards,
 )
 from albert_jax.sharding import create_mesh
-from albert_jax.train_config import config_field, validate_config, write_run_config
+from albert_jax.train_config import config_field, validate_config
 from albert_jax.train_step import (
     PretrainingModel,
     create_train_state,
@@ -85,7 +85,6 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     layout = validate_config(config)
     model_config = layout.model_config
     workdir = files.absolute(workdir)
-    write_run_config(config, workdir)
     build_sources(config)
     tokenizer = prepare_tokenizer(config, workdir, (config.resume_from, config.init_from))
     if tokenizer.vocab_size != model_config.vocab_size:
@@ -194,6 +193,15 @@ class Pretraining(PretrainingModel):
                 )
             )  # fmt: skip
             self.baselines = majority_accuracies(self.eval_batches, self.model_config.vocab_size)
+            if config.objective == "none":  # no SOP prediction to compare with the baseline
+                self.baselines.pop("eval_sop_majority_accuracy", None)
+            if "eval_mlm_majority_accuracy" not in self.baselines:
+                # (the baselines count every process's tokens: all processes agree)
+                logging.warning(
+                    "evaluation: split %r of %s has no real token to predict (%d batches of "
+                    "padding only); no eval_mlm_* metric and no eval_loss will be recorded",
+                    config.data.eval_split, data_cfg.sources, len(self.eval_batches),
+                )  # fmt: skip
 
     # ----------------------------------------------------------------------------- per step
     def next_batch(self, step: int) -> dict[str, np.ndarray]:
@@ -222,7 +230,7 @@ class Pretraining(PretrainingModel):
             out = loop.eval_step(params, batch)
             sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
         values = {k: float(v) for k, v in jax.device_get(sums).items()}
-        return {**eval_metrics(values), **self.baselines}
+        return {**eval_metrics(values), **self.baselines}  # only what was measured
 
     def close(self) -> None:
         if self.iterator is not None:

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 import jax
+from absl import logging
 
 from albert_jax import files, optim
 from albert_jax.config import ModelConfig, model_config_from
@@ -26,7 +27,7 @@ KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
         "warmup_steps", "num_train_steps", "lr_poly_power", "weight_decay", "grad_clip_norm",
         "b1", "b2", "eps", "mesh", "seed", "log_every_steps", "eval_every_steps",
         "eval_batches", "checkpoint_every_steps", "keep_checkpoints", "resume_from",
-        "init_from", "debug",
+        "init_from", "resume_strict", "debug",
     ),
     "data": (
         "sources", "data_dir", "cache_dir", "tokenizer", "short_seq_prob", "masked_lm_prob",
@@ -136,6 +137,16 @@ def validate_config(config: Any) -> RunLayout:
     from albert_jax.data.pipeline import DataConfig
 
     DataConfig.from_config(config).validate(processes)
+    if config_field(config, "data.masked_lm_prob") == 0:  # valid for an ablation, else a slip
+        if objective == "none":
+            raise ValueError(
+                "config.data.masked_lm_prob=0 with config.objective='none': no token is masked "
+                "and there is no sentence-order task, so nothing would be trained"
+            )
+        logging.warning(
+            "config.data.masked_lm_prob=0: no token is masked, the MLM loss is 0 and only the "
+            "sentence-order task trains"
+        )
     return RunLayout(model_config, mesh_shape, devices)
 
 

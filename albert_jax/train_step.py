@@ -46,10 +46,12 @@ def majority_accuracies(
     if jax.process_count() > 1:
         counts = np.asarray(multihost_utils.process_allgather(counts)).sum(axis=0)
     token_counts, label_counts = counts[:vocab_size], counts[vocab_size:]
-    return {
-        "eval_mlm_majority_accuracy": float(token_counts.max() / max(1, token_counts.sum())),
-        "eval_sop_majority_accuracy": float(label_counts.max() / max(1, label_counts.sum())),
-    }
+    baselines = {}  # none from padding alone
+    if token_counts.sum():
+        baselines["eval_mlm_majority_accuracy"] = float(token_counts.max() / token_counts.sum())
+    if label_counts.sum():
+        baselines["eval_sop_majority_accuracy"] = float(label_counts.max() / label_counts.sum())
+    return baselines
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,27 +168,30 @@ def make_eval_step(config: Any, model: AlbertForPreTraining) -> Callable:
             "predictions": jnp.sum(weights),
             "sequences": jnp.sum(example),
         }
-        zero = jnp.zeros((), jnp.float32)
-        if sentence_order:
+        if sentence_order:  # MLM only: no SOP sums, and so no SOP metric from nothing
             labels = batch["sentence_order_label"]
             sop_nll = -_label_log_probs(outputs["sop_logits"], labels)
             sop_hit = jnp.argmax(outputs["sop_logits"], axis=-1) == labels
             sums["sop_loss"] = jnp.sum(jnp.where(example > 0, example * sop_nll, 0.0))
             sums["sop_correct"] = jnp.sum(jnp.where(sop_hit, example, 0.0))
-        else:
-            sums["sop_loss"] = sums["sop_correct"] = zero
         return sums
 
     return eval_step
 
 
 def eval_metrics(sums: Mapping[str, float]) -> dict[str, float]:
-    predictions, sequences = max(sums["predictions"], 1e-9), max(sums["sequences"], 1e-9)
-    mlm_loss, sop_loss = sums["mlm_loss"] / predictions, sums["sop_loss"] / sequences
-    return {
-        "eval_loss": mlm_loss + sop_loss,
-        "eval_mlm_loss": mlm_loss,
-        "eval_sop_loss": sop_loss,
-        "eval_mlm_accuracy": sums["mlm_correct"] / predictions,
-        "eval_sop_accuracy": sums["sop_correct"] / sequences,
-    }
+    """Means of the eval sums over what was really there: MLM metrics only if a token was
+    predicted, SOP metrics only if the objective has them (`sop_*` sums) and a sequence was
+    seen, `eval_loss` only when every term of the objective was measured. A set that is all
+    padding gives {}: no metric is ever reported from padding alone."""
+    metrics = {}
+    if sums["predictions"] > 0:
+        metrics["eval_mlm_loss"] = sums["mlm_loss"] / sums["predictions"]
+        metrics["eval_mlm_accuracy"] = sums["mlm_correct"] / sums["predictions"]
+    has_sop = "sop_loss" in sums
+    if has_sop and sums["sequences"] > 0:
+        metrics["eval_sop_loss"] = sums["sop_loss"] / sums["sequences"]
+        metrics["eval_sop_accuracy"] = sums["sop_correct"] / sums["sequences"]
+    if "eval_mlm_loss" in metrics and (not has_sop or "eval_sop_loss" in metrics):
+        metrics["eval_loss"] = metrics["eval_mlm_loss"] + metrics.get("eval_sop_loss", 0.0)
+    return metrics

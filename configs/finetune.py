@@ -116,6 +116,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval_every_steps = 0  # evaluate every N steps too (0: only at the end)
     c.checkpoint_every_steps = 0  # save every N steps too (0: only at the end)
     c.keep_checkpoints = 1  # checkpoints kept
+    c.resume_strict = False  # an unreadable latest checkpoint stops the run (else: the one before)
 
     # --- debugging hooks (0 = off); the tests use them to exercise preemption and resume
     c.debug = ml_collections.ConfigDict()

@@ -130,6 +130,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval_batches = 32 if tiny else 50  # batches per evaluation
     c.checkpoint_every_steps = 500 if tiny else 5000  # async Orbax saves
     c.keep_checkpoints = 3  # keep the last k
+    c.resume_strict = False  # an unreadable latest checkpoint stops the run (else: the one before)
     c.resume_from = ml_collections.FieldReference(None, field_type=str)  # another workdir
     c.init_from = ml_collections.FieldReference(None, field_type=str)  # params only
 

@@ -83,3 +83,34 @@ def gcs():
         yield emulator
     finally:
         emulator.stop()
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory, shared_data):
+    """TFDS data dir with Austen built as `documents/austen`, and a 1000-piece tokenizer: the
+    data of the pretraining runs (test_train, test_resume_safety, test_degenerate_runs)."""
+    import gzip
+    import json
+
+    from albert_jax.data import sentences, sources
+    from albert_jax.data.tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("corpus")
+    austen = os.path.join(shared_data, "corpora", "austen.jsonl.gz")
+    spec = f"documents/austen={austen}"
+    data_dir = str(root / "tfds")
+    sources.build_source(sources.parse_sources(spec)[0], data_dir=data_dir)
+    texts = []
+    with gzip.open(austen, "rt", encoding="utf-8") as f:
+        for line in f:
+            texts.extend(sentences.split_sentences(json.loads(line)["text"]))
+            if len(texts) > 6000:
+                break
+    tokenizer = train_tokenizer(texts, str(root / "spm"), vocab_size=1000, max_sentences=6000)
+    return {
+        "sources": spec,
+        "data_dir": data_dir,
+        "tokenizer": tokenizer,
+        "austen": austen,
+        "jax_cache": str(root / "jax_cache"),
+    }

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -121,6 +122,8 @@ def test_restart_after_a_crash_continues_from_the_last_checkpoint(runs):
 
 def test_resume_on_other_data_is_refused(runs, shared_data):
     # Another seed (data order) or other training data cannot continue this run's schedule.
+    run_config = pathlib.Path(runs["chain"], "config.json")
+    recorded = run_config.read_text()
     for override in ({"seed": 1}, {"data.max_train_examples": 160}):
         config = _config(runs["spm"], shared_data, **override)
         with pytest.raises(ValueError, match="cannot resume .* changed") as error:
@@ -129,6 +132,8 @@ def test_resume_on_other_data_is_refused(runs, shared_data):
         assert key in str(error.value)
         # The refused start closed what it opened: no mesh is left set in this process.
         assert jax.sharding.get_abstract_mesh().empty
+        # ... and kept the config of the run it refused to continue, which the error points to.
+        assert run_config.read_text() == recorded
 
 
 _RESTORE = textwrap.dedent(

@@ -1,0 +1,133 @@
+"""Restarting a pretraining run on damaged or mismatched checkpoints, and saves that fail.
+
+One 8-step run (checkpoints at steps 4 and 8) is copied for each case: a truncated params file
+of the newest step (the run falls back to step 4 and trains to the same state an
+uninterrupted run reaches), an emptied `data/metadata` with `resume_strict` (the run stops and
+names the directory), a config of another model (one message naming the differing fields,
+`config.json` kept), and a disk that refuses the writes of a save (the run stops at that
+save, naming step and path; the earlier checkpoints restore).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from test_train import (
+    REPO,
+    assert_trees_equal,
+    final_state,
+    losses_by_step,
+    main_command,
+    make_config,
+    small_overrides,
+)
+
+from albert_jax import checkpointing, train
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    """A finished 8-step run with checkpoints at steps 4 and 8."""
+    workdir = str(tmp_path_factory.mktemp("resume") / "trained")
+    train.train_and_evaluate(make_config(small_overrides(corpus)), workdir)
+    assert sorted(os.listdir(checkpointing.checkpoint_dir(workdir))) == ["4", "8"]
+    return workdir
+
+
+def _copy(trained, tmp_path, name="run"):
+    workdir = str(tmp_path / name)
+    shutil.copytree(trained, workdir)
+    return workdir
+
+
+def _step_dir(workdir, step):
+    return os.path.join(checkpointing.checkpoint_dir(workdir), str(step))
+
+
+def _largest_file(directory):
+    paths = [os.path.join(d, f) for d, _, names in os.walk(directory) for f in names]
+    return max(paths, key=os.path.getsize)
+
+
+def test_truncated_latest_checkpoint_falls_back_to_the_one_before(corpus, trained, tmp_path):
+    workdir = _copy(trained, tmp_path)
+    damaged = _largest_file(os.path.join(_step_dir(workdir, 8), "params"))
+    with open(damaged, "r+b") as f:
+        f.truncate(os.path.getsize(damaged) // 2)
+    result = train.train_and_evaluate(make_config(small_overrides(corpus)), workdir)
+    assert result["step"] == 8 and result["checkpoint_step"] == 8
+    # Resumed from step 4: steps 5..8 trained again, to the state of the uninterrupted run.
+    assert_trees_equal(final_state(workdir, 8)[0], final_state(trained, 8)[0])
+    assert_trees_equal(final_state(workdir, 8)[1], final_state(trained, 8)[1])
+    assert losses_by_step(workdir) == losses_by_step(trained)
+
+
+def test_unreadable_latest_checkpoint_with_resume_strict_stops_naming_it(corpus, trained, tmp_path):
+    workdir = _copy(trained, tmp_path)
+    metadata = pathlib.Path(_step_dir(workdir, 8), "data", "metadata")
+    metadata.write_bytes(b"")
+    config = make_config({**small_overrides(corpus), "resume_strict": True})
+    with pytest.raises(checkpointing.CheckpointError) as error:
+        train.train_and_evaluate(config, workdir)
+    message = str(error.value)
+    assert _step_dir(workdir, 8) in message and "resume_strict" in message
+    assert "JSONDecodeError" in message  # the reason, in the same line
+    assert metadata.stat().st_size == 0  # nothing deleted: the user decides
+    assert sorted(os.listdir(checkpointing.checkpoint_dir(workdir))) == ["4", "8"]
+
+
+def test_resume_with_another_model_names_the_fields_and_keeps_config_json(
+    corpus, trained, tmp_path
+):
+    workdir = _copy(trained, tmp_path)
+    recorded = pathlib.Path(workdir, "config.json").read_text()
+    config = make_config({**small_overrides(corpus), "model.hidden_size": 64})
+    with pytest.raises(ValueError) as error:
+        train.train_and_evaluate(config, workdir)
+    message = str(error.value)
+    assert message.startswith(f"cannot resume {workdir} at step 8: its model differs")
+    assert "hidden_size: checkpoint 32, config 64" in message
+    assert "intermediate_size" not in message  # only what differs
+    assert pathlib.Path(workdir, "config.json").read_text() == recorded
+
+
+# Files up to this size can still be written once the "disk" refuses larger ones: config.json,
+# metrics lines, TensorBoard events; not the arrays of a checkpoint.
+_FILE_SIZE_KIB = 64
+
+
+def test_failed_save_stops_the_run_naming_step_and_path(corpus, trained, tmp_path):
+    workdir = _copy(trained, tmp_path)
+    opt_state = os.path.join(_step_dir(workdir, 8), "opt_state")
+    assert os.path.getsize(_largest_file(opt_state)) > _FILE_SIZE_KIB * 1024  # saves hit it
+    # The workdir's own tokenizer: nothing large is copied at the start.
+    tokenizer = os.path.join(workdir, checkpointing.TOKENIZER_FILE)
+    overrides = small_overrides(corpus, num_train_steps=20, **{"data.tokenizer": tokenizer})
+    args, env = main_command(workdir, overrides, 8, JAX_COMPILATION_CACHE_DIR="")
+    # From its start the process cannot write a file larger than the limit: the write fails
+    # with EFBIG (SIGXFSZ ignored), as a full disk fails with ENOSPC — a real error from the
+    # OS inside Orbax's and TensorStore's writers, at the first save (step 12).
+    limit = f'trap "" XFSZ; ulimit -f {_FILE_SIZE_KIB}; exec "$@"'
+    proc = subprocess.run(
+        ["bash", "-c", limit, "bash", *args], cwd=REPO, env=env, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    # The error that ends the run (Orbax's writer threads print their own tracebacks around it).
+    error = "albert_jax.checkpointing.CheckpointError: saving the checkpoint of "
+    [last] = [line for line in proc.stderr.splitlines() if line.startswith(error)]
+    assert f"step 12 to {_step_dir(workdir, 12)} failed" in last
+    assert "Checkpoints intact: [4, 8]" in last
+    # Stopped at the first step boundary after the background write failed (a few 15 ms steps
+    # here), never at a later save.
+    assert 12 <= max(losses_by_step(workdir)) < 16
+    with checkpointing.Checkpointer(workdir, read_only=True) as checkpoints:
+        assert checkpoints.all_steps() == [4, 8]
+        params = checkpoints.restore_numpy(8, "params")
+    assert_trees_equal(params, final_state(trained, 8)[0])
+    assert np.isfinite(max(losses_by_step(workdir).values()))
