@@ -16,11 +16,10 @@ is on disk (on object stores, which cannot rename, it writes in place and commit
 file), so a process killed mid-save (even with SIGKILL) leaves the previous checkpoint as the
 latest one; the half-written directory is ignored and cleaned up on the next start.
 
-Preemption: on TPU pods (and any multi-process job) JAX's preemption service turns the
-scheduler's SIGTERM into a synchronized "save now" step that Orbax's
-`PreemptionCheckpointingPolicy` sees. A single process has no such service, so
-`PreemptionSignal` catches SIGTERM itself; the loop then saves at the next step boundary, waits
-for the save and returns normally, and a restart resumes from there.
+Preemption saves are decided with Orbax's `PreemptionCheckpointingPolicy`; the SIGTERM side
+lives in `preemption.py`. A save that fails (a full disk, a refused write) raises
+`CheckpointError` naming the step and its directory, at the latest at the next step boundary
+(`check_for_errors`); the checkpoints before it stay intact.
 
 This is the one file to change when moving to Orbax V1.
 """
@@ -30,12 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import os
-import signal
-import threading
-import time
 from collections.abc import Iterator, Mapping
-from types import FrameType
 from typing import Any
 
 import jax
@@ -469,64 +463,3 @@ def task_head_weights(path: str) -> dict[str, np.ndarray]:
     params = _read_params(step_dir)
     heads = tuple(part + "/" for part in PRETRAINING_PARTS)
     return {k: v for k, v in trees.flatten(params).items() if not k.startswith(heads)}
-
-
-# ---------------------------------------------------------------------------------- SIGTERM
-# JAX's preemption service polls for SIGTERM once a second; this wait covers that poll and the
-# notice's trip through the coordination service.
-NOTICE_PROPAGATION_S = 3.0
-
-
-def send_preemption_notice() -> None:
-    """Debugging hook (`debug.sigterm_after_step`): SIGTERM to process 0 only, as a scheduler
-    sends to one host before a preemption.
-
-    With several processes, every process then waits `NOTICE_PROPAGATION_S` for JAX's
-    preemption service to pass the notice on to all of them, so that they agree on the step
-    they are at: the save step is `sigterm_after_step` itself, not whichever later step the
-    notice happened to reach.
-    """
-    if jax.process_index() == 0:
-        os.kill(os.getpid(), signal.SIGTERM)
-    if jax.process_count() > 1:
-        time.sleep(NOTICE_PROPAGATION_S)
-
-
-class PreemptionSignal:
-    """Turns SIGTERM into a flag that the training loop polls at step boundaries.
-
-    Install it only in single-process runs: with `jax.distributed`, JAX's own preemption
-    service owns SIGTERM and Orbax's `reached_preemption` reports the agreed step. Use as a
-    context manager; the previous handler is restored on exit.
-    """
-
-    def __init__(self, signum: int = signal.SIGTERM):
-        self.signum = signum
-        self._event = threading.Event()
-        self._previous: Any = None
-        self._installed = False
-
-    @property
-    def requested(self) -> bool:
-        return self._event.is_set()
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        del frame
-        logging.warning(
-            "received signal %d: saving a checkpoint at the next step boundary, then exiting",
-            signum,
-        )
-        self._event.set()
-
-    def __enter__(self) -> PreemptionSignal:
-        # Signal handlers can only be set from the main thread; elsewhere (e.g. a notebook
-        # worker thread) the run simply has no SIGTERM handling.
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(self.signum, self._handle)
-            self._installed = True
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._installed:
-            signal.signal(self.signum, self._previous)
-            self._installed = False

@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 
 from albert_jax import checkpointing, files, flops, metrics_writer
 from albert_jax.config import ModelConfig, model_config_from
-from albert_jax.loop import Loop, TrainingDivergedError, TrainState
+from albert_jax.loop import Loop, TrainingDivergedError
 from albert_jax.model import AlbertForPreTraining
 from albert_jax.prepare import build_sources, prepare_tokenizer
 from albert_jax.resume import (
@@ -41,6 +41,7 @@ from albert_jax.resume import (
 )
 from albert_jax.sharding import create_mesh
 from albert_jax.train_config import config_field, validate_config
+from albert_jax.train_state import TrainState
 from albert_jax.train_step import (
     PretrainingModel,
     create_train_state,

@@ -19,7 +19,7 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from albert_jax import flops, loop, losses, optim
+from albert_jax import flops, losses, optim, train_state
 from albert_jax.model import AlbertForPreTraining, init_params
 
 PyTree = Any
@@ -98,7 +98,7 @@ def create_train_state(
     """(optimizer, abstract state, state shardings, initializer) of the pretraining state, as
     the loop creates it (benchmarks and tests compile the same state). Must run under
     `jax.set_mesh(mesh)` and `nn.logical_axis_rules(LOGICAL_AXIS_RULES)`."""
-    layout = loop.create_state(PretrainingModel(config, model, mesh), mesh, int(config.seed))
+    layout = train_state.create_state(PretrainingModel(config, model, mesh), mesh, int(config.seed))
     return layout.tx, layout.abstract, layout.shardings, layout.initialize
 
 
@@ -107,7 +107,7 @@ def make_train_step(
 ) -> Callable:
     """(state, batch) → (state after one LAMB update, scalar metrics): the step the loop runs."""
     objective = PretrainingModel(config, model)
-    return loop.make_step(
+    return train_state.make_step(
         objective.loss, tx, microbatches=objective.microbatches, seed=int(config.seed)
     )
 

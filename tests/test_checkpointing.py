@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from albert_jax import checkpointing
+from albert_jax import checkpointing, preemption
 from albert_jax.config import ModelConfig
 from albert_jax.model import AlbertForPreTraining, init_params
 from albert_jax.sharding import create_mesh
@@ -174,7 +174,7 @@ def test_sigkill_during_async_save_keeps_previous_checkpoint(tmp_path):
 
 def test_sigterm_sets_a_flag_and_restores_the_previous_handler():
     previous = signal.getsignal(signal.SIGTERM)
-    with checkpointing.PreemptionSignal() as flag:
+    with preemption.PreemptionSignal() as flag:
         assert not flag.requested
         os.kill(os.getpid(), signal.SIGTERM)  # the process survives: only the flag is set
         assert flag.requested

@@ -89,7 +89,7 @@ def assert_preempted_together(run: Run, step: int) -> None:
     """Every process of `run` exited normally after saving `step` on a preemption notice.
 
     In the tests process 0 alone gets SIGTERM after `step`, and every process waits for JAX's
-    preemption service to pass the notice on (`checkpointing.send_preemption_notice`), so they
+    preemption service to pass the notice on (`preemption.send_preemption_notice`), so they
     agree on `step` itself."""
     run.check()
     for log in run.logs:
