@@ -14,11 +14,12 @@ The 2-process jobs run as on a pod: their workdir is in Cloud Storage (a local e
 tests/gcs.py), the 1-process resume starts from a copy of their step-3 checkpoint there, and
 nothing may be written to their local working directory.
 
-The tiny model and corpus are those of test_train.py (Austen as a TFDS dataset, a 1000-piece
-tokenizer). XLA's CPU backend is asked for unoptimized code (`--xla_backend_optimization_level=0`)
-in every run alike: this model is far too small for it to matter, and compiling takes most of
-the test's time (the two processes of the distributed run compile at the same time on the same
-cores, and the compile cache cannot be shared with the 1-process runs).
+The tiny model is that of test_train.py, the corpus conftest.py's `corpus` fixture (Austen as a
+TFDS dataset, a 1000-piece tokenizer). XLA's CPU backend is asked for unoptimized code
+(`--xla_backend_optimization_level=0`) in every run alike: this model is far too small for it to
+matter, and compiling takes most of the test's time (the two processes of the distributed run
+compile at the same time on the same cores, and the compile cache cannot be shared with the
+1-process runs).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
-import test_train
 from etils import epath
 from test_train import (
     assert_trees_equal,
@@ -58,7 +58,6 @@ EVAL_KEYS = (
     "eval_loss", "eval_mlm_loss", "eval_sop_loss", "eval_mlm_accuracy", "eval_sop_accuracy",
     "eval_mlm_majority_accuracy", "eval_sop_majority_accuracy",
 )  # fmt: skip
-corpus = test_train.corpus  # the module fixture of test_train.py (TFDS Austen + a tokenizer)
 
 
 def free_port() -> int:
