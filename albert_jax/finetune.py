@@ -61,7 +61,13 @@ from albert_jax.finetune_config import (
 from albert_jax.loop import Loop
 from albert_jax.sharding import create_mesh, fetch, process_rows
 from albert_jax.tasks import registry
-from albert_jax.tasks.batching import Features, eval_batches, train_batch
+from albert_jax.tasks.batching import (
+    Features,
+    bucket_lengths,
+    eval_batches,
+    train_batch,
+    trim_to_bucket,
+)
 from albert_jax.tasks.kinds import get_kind
 from albert_jax.tasks.local import ReadStats
 from albert_jax.tasks.registry import TaskSpec
@@ -224,6 +230,8 @@ class FineTuning:
         self.init_batch = {
             k: features.arrays[k][:1].repeat(rows, 0) for k in self.kind.model_inputs
         }
+        self.buckets = bucket_lengths(config.max_seq_length)
+        self.lengths_seen: set[int] = set()  # length buckets compiled so far
         self.report: dict[str, Any] | None = None  # InitReport.as_dict()
         self.results: dict[str, Any] = {}  # of the last evaluation
         self.predictions: list[Any] = []
@@ -326,7 +334,21 @@ class FineTuning:
 
     def next_batch(self, step: int) -> dict[str, np.ndarray]:
         batch = train_batch(self.train_arrays, step - 1, self.global_batch, self.config.seed)
-        return process_rows(batch)
+        return process_rows(self._cut(batch))
+
+    def _cut(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The global batch cut to its length bucket (`config.length_buckets`); each new
+        length is one more compiled shape, at most `len(bucket_lengths(max_seq_length))`."""
+        if not self.config.length_buckets:
+            return batch
+        batch, length = trim_to_bucket(batch, self.kind.sequence_inputs)
+        if length not in self.lengths_seen:
+            self.lengths_seen.add(length)
+            logging.info(
+                "length bucket %d: compiled shapes %d of at most %d (%s)", length,
+                len(self.lengths_seen), len(self.buckets), sorted(self.lengths_seen),
+            )  # fmt: skip
+        return batch
 
     def meta(self) -> dict[str, Any]:
         return {
@@ -346,14 +368,19 @@ class FineTuning:
         keys = self.kind.predict_inputs  # labels stay on the host
         for eval_set, features in zip(self.eval_sets, self.eval_features, strict=True):
             arrays = {k: features.arrays[k] for k in keys}
+            # Shortest rows first, so that batches of alike lengths share a short bucket; the
+            # outputs are put back in feature order below.
+            order = self._eval_order(arrays)
+            arrays = {k: v[order] for k, v in arrays.items()}
             gathered: dict[str, list[np.ndarray]] = {}
             for batch in eval_batches(arrays, self.config.eval_batch_size):
                 real = batch.pop("example_weight") > 0
                 rows = len(real)
+                batch = self._cut(batch)
                 out = fetch(loop.eval_step(params, loop.put(process_rows(batch), rows)))
                 for k, v in out.items():
-                    gathered.setdefault(k, []).append(np.asarray(v)[real])
-            outputs = {k: np.concatenate(v) for k, v in gathered.items()}
+                    gathered.setdefault(k, []).append(self._uncut(k, np.asarray(v)[real]))
+            outputs = {k: np.concatenate(v)[np.argsort(order)] for k, v in gathered.items()}
             metrics, predictions = self.kind.score(
                 eval_set, features, outputs, self.config, self.spec
             )
@@ -363,6 +390,22 @@ class FineTuning:
             self.predictions.append(predictions)
         self.results = results
         return {f"eval_{k}": v for k, v in results.items() if _is_number(v)}
+
+    def _eval_order(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Feature rows by real length (stable), or as they are without length buckets."""
+        mask = arrays["input_mask"]
+        if not self.config.length_buckets:
+            return np.arange(len(mask))
+        return np.argsort(mask.reshape(len(mask), -1).sum(axis=1), kind="stable")
+
+    def _uncut(self, name: str, value: np.ndarray) -> np.ndarray:
+        """An output of a cut batch with its sequence axis padded back to max_seq_length, as
+        the head masks padding positions (`heads.MASKED_LOGIT`)."""
+        width = self.config.max_seq_length - value.shape[-1]
+        if name not in self.kind.sequence_outputs or width == 0:
+            return value
+        pad = [(0, 0)] * (value.ndim - 1) + [(0, width)]
+        return np.pad(value, pad, constant_values=heads.MASKED_LOGIT)
 
     # ----------------------------------------------------------------------------- outputs
     def write_predictions(self) -> list[str]:

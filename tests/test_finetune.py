@@ -237,6 +237,11 @@ def test_sentiment_rt_beats_the_majority_class(pretrained, shared_data, tmp_path
     replay = finetune.finetune_and_evaluate(again, str(tmp_path / "replay"))
     assert replay["init"]["missing"] == []
     assert replay["accuracy"] == pytest.approx(results["accuracy"], abs=1e-6)
+    # Batches padded to max_seq_length (no length buckets) predict exactly the same.
+    again.length_buckets = False
+    finetune.finetune_and_evaluate(again, str(tmp_path / "padded"))
+    with open(tmp_path / "padded" / "predictions.jsonl") as f:
+        assert [json.loads(line) for line in f] == rows
 
 
 def cosmos_config(init: str, shared_data: str, **overrides):

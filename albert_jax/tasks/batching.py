@@ -16,7 +16,13 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-__all__ = ["FeatureStats", "Features", "train_batch", "eval_batches", "pad_ids"]
+__all__ = [
+    "FeatureStats", "Features", "train_batch", "eval_batches", "pad_ids", "bucket_length",
+    "bucket_lengths", "trim_to_bucket",
+]  # fmt: skip
+
+# The shortest length bucket; the others double it up to max_seq_length.
+SMALLEST_BUCKET = 32
 
 
 @dataclasses.dataclass
@@ -106,3 +112,45 @@ def eval_batches(
         batch = {name: a[rows] for name, a in arrays.items()}
         batch["example_weight"] = (np.arange(batch_size) < real).astype(np.float32)
         yield batch
+
+
+def bucket_lengths(max_seq_length: int, smallest: int = SMALLEST_BUCKET) -> tuple[int, ...]:
+    """Every length a batch may be cut to: smallest·2^k below `max_seq_length`, and
+    `max_seq_length` itself (e.g. 32, 64, 128, 256, 512): the bound on compiled shapes."""
+    lengths, length = [], smallest
+    while length < max_seq_length:
+        lengths.append(length)
+        length *= 2
+    return (*lengths, max_seq_length)
+
+
+def bucket_length(length: int, max_seq_length: int, smallest: int = SMALLEST_BUCKET) -> int:
+    """The shortest of `bucket_lengths(max_seq_length)` that holds `length` tokens."""
+    return next(b for b in bucket_lengths(max_seq_length, smallest) if b >= length)
+
+
+def trim_to_bucket(
+    batch: Mapping[str, np.ndarray],
+    sequence_keys: tuple[str, ...],
+    smallest: int = SMALLEST_BUCKET,
+) -> tuple[dict[str, np.ndarray], int]:
+    """(batch with its `sequence_keys` arrays cut to the bucket of its longest row, that length).
+
+    Rows are padded at the end (`input_mask` 1 then 0), so dropping trailing columns that no row
+    uses loses nothing: masked keys get the official -10000 before the softmax, whose exp is 0
+    in float32, and positions are absolute. The cut is decided on the *global* batch (every
+    process computes the same one), so all processes agree on its shape.
+
+    Args:
+      batch: {name: [B, ..., S] or [B, ...]}; `input_mask` [B, ..., S] marks the real tokens.
+      sequence_keys: the arrays whose last axis is the sequence (input_ids, segment_ids,
+        input_mask, p_mask, ...).
+    """
+    mask = batch["input_mask"]
+    max_seq_length = mask.shape[-1]
+    used = np.flatnonzero(mask.reshape(-1, max_seq_length).any(axis=0))
+    longest = int(used[-1]) + 1 if len(used) else 1
+    length = bucket_length(longest, max_seq_length, smallest)
+    if length == max_seq_length:
+        return dict(batch), length
+    return {k: v[..., :length] if k in sequence_keys else v for k, v in batch.items()}, length

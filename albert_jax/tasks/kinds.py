@@ -60,6 +60,12 @@ class TaskKind(abc.ABC):
     model_inputs: ClassVar[tuple[str, ...]]
     #: Those of `model_inputs` only the loss reads; prediction leaves them on the host.
     labels: ClassVar[tuple[str, ...]]
+    #: Inputs whose last axis is the sequence ([B,S] or [B,C,S]): cut to a batch's length
+    #: bucket (`batching.trim_to_bucket`).
+    sequence_inputs: ClassVar[tuple[str, ...]] = _ENCODER_INPUTS
+    #: Prediction outputs whose last axis is the sequence ([B,S]): padded back to
+    #: max_seq_length with `heads.MASKED_LOGIT` after a cut batch, as the head masks padding.
+    sequence_outputs: ClassVar[tuple[str, ...]] = ()
     #: SQuAD evaluator version ("v1.1" / "v2.0") of span kinds, whose eval sets carry the
     #: evaluator's JSON (`EvalSet.squad_json`); None for the others.
     squad_version: ClassVar[str | None] = None
@@ -314,6 +320,7 @@ class SpanV1(_Span):
 
     name = "span_v1"
     squad_version = "v1.1"
+    sequence_outputs = ("start_logits", "end_logits")
 
     def build_model(self, model_config: ModelConfig, spec: TaskSpec, config: Any) -> nn.Module:
         return heads.AlbertForQuestionAnswering(model_config)
@@ -353,6 +360,7 @@ class SpanV2(_Span):
     squad_version = "v2.0"
     model_inputs = _ENCODER_INPUTS + ("p_mask", "start_positions", "end_positions", "is_impossible")
     labels = ("start_positions", "end_positions", "is_impossible")
+    sequence_inputs = _ENCODER_INPUTS + ("p_mask",)  # its outputs are beams: [B,K] whatever S
 
     def build_model(self, model_config: ModelConfig, spec: TaskSpec, config: Any) -> nn.Module:
         return heads.AlbertForQuestionAnsweringV2(

@@ -1,0 +1,80 @@
+"""Fine-tuning batches cut to length buckets (32·2^k up to max_seq_length): a bounded set of
+shapes, and the predictions of a fixed checkpoint exactly those of batches padded to
+max_seq_length (multiple choice, SQuAD spans; classification in test_finetune.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from test_finetune import (
+    _read_results,
+    cosmos_config,
+    cosmos_run,
+    squad_shifts_config,
+    squad_shifts_run,
+)
+
+from albert_jax import finetune
+from albert_jax.tasks.batching import bucket_length, bucket_lengths, trim_to_bucket
+
+
+def test_bucket_lengths_are_bounded():
+    assert bucket_lengths(512) == (32, 64, 128, 256, 512)
+    assert bucket_lengths(100) == (32, 64, 100) and bucket_lengths(32) == (32,)
+    assert [bucket_length(n, 512) for n in (1, 32, 33, 64, 65, 511)] == [32, 32, 64, 64, 128, 512]
+
+
+def test_trim_cuts_to_the_longest_row_of_the_whole_batch():
+    mask = np.zeros((4, 3, 128), np.int32)  # [B, options, S]
+    mask[0, 1, :40], mask[3, 0, :7] = 1, 1
+    batch = {"input_mask": mask, "input_ids": mask * 7, "label": np.arange(4)}
+    cut, length = trim_to_bucket(batch, ("input_mask", "input_ids"))
+    assert length == 64 and cut["input_ids"].shape == (4, 3, 64)
+    assert cut["label"] is batch["label"]
+    np.testing.assert_array_equal(cut["input_ids"], batch["input_ids"][..., :64])
+    assert not batch["input_mask"][..., 64:].any()  # nothing real was cut
+
+
+def _predictions(workdir, name):
+    with open(os.path.join(workdir, name)) as f:
+        return [json.loads(line) for line in f] if name.endswith(".jsonl") else json.load(f)
+
+
+@pytest.mark.parametrize(
+    "run, make_config, files",
+    [
+        (cosmos_run, cosmos_config, ["predictions.jsonl"]),
+        (squad_shifts_run, squad_shifts_config, ["predictions.json", "nbest_predictions.json"]),
+    ],
+    ids=["mc_cosmosqa", "squad_shifts"],
+)
+def test_cut_batches_predict_as_padded_ones(
+    run, make_config, files, tmp_path_factory, shared_data, tmp_path, caplog
+):
+    trained = run(tmp_path_factory, shared_data)
+    results = {}
+    for buckets in (True, False):
+        config = make_config(trained, shared_data, num_train_steps=0, length_buckets=buckets)
+        config.data.train_files = ""  # evaluation only
+        workdir = str(tmp_path / f"buckets_{buckets}")
+        with caplog.at_level("INFO"):
+            results[buckets] = finetune.finetune_and_evaluate(config, workdir)
+        results[buckets]["files"] = {name: _predictions(workdir, name) for name in files}
+    cut, padded = results[True], results[False]
+    assert cut["files"][files[0]] == padded["files"][files[0]]  # the same answers
+    if "nbest_predictions.json" in files:  # span probabilities: float sums in another order
+        for qid, candidates in padded["files"]["nbest_predictions.json"].items():
+            got = cut["files"]["nbest_predictions.json"][qid]
+            assert [c["text"] for c in got] == [c["text"] for c in candidates]
+            np.testing.assert_allclose(
+                [c["probability"] for c in got], [c["probability"] for c in candidates],
+                rtol=1e-5, atol=1e-7,
+            )  # fmt: skip
+    metric = "accuracy" if "accuracy" in padded else "f1"
+    assert cut[metric] == padded[metric]
+    # The cut run compiled more than one length, each a bucket of max_seq_length, and said so.
+    assert "length bucket" in caplog.text
+    assert _read_results(str(tmp_path / "buckets_True"))["step"] == 0
