@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -13,11 +14,13 @@ from test_finetune import (
     _read_results,
     cosmos_config,
     cosmos_run,
+    sentiment_tiny_config,
     squad_shifts_config,
     squad_shifts_run,
+    tiny_tokenizer_path,
 )
 
-from albert_jax import finetune
+from albert_jax import checkpointing, finetune, metrics_writer
 from albert_jax.tasks.batching import bucket_length, bucket_lengths, trim_to_bucket
 
 
@@ -78,3 +81,58 @@ def test_cut_batches_predict_as_padded_ones(
     # The cut run compiled more than one length, each a bucket of max_seq_length, and said so.
     assert "length bucket" in caplog.text
     assert _read_results(str(tmp_path / "buckets_True"))["step"] == 0
+
+
+def test_training_on_cut_batches_resumes_bit_exactly(tmp_path_factory, shared_data, tmp_path):
+    # max_seq_length 128, 16 a batch: these sentences' batches fall in two buckets (64, 128).
+    spm = tiny_tokenizer_path(tmp_path_factory, shared_data)
+    config = sentiment_tiny_config(spm, shared_data, max_seq_length=128, batch_size=16)
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    finetune.finetune_and_evaluate(config, straight)
+    assert _training_lengths(config) == {64, 128}
+    shutil.copytree(straight, resumed)
+    for step in (8, 12):  # as if the run had stopped after the checkpoint of step 4
+        shutil.rmtree(os.path.join(checkpointing.checkpoint_dir(resumed), str(step)))
+    os.remove(os.path.join(resumed, finetune.EVAL_RESULTS_FILE))
+    finetune.finetune_and_evaluate(config, resumed)
+    with (
+        checkpointing.Checkpointer(straight, read_only=True) as a,
+        checkpointing.Checkpointer(resumed, read_only=True) as b,
+    ):
+        for item in ("params", "opt_state"):
+            for x, y in zip(
+                jax_leaves(a.restore_numpy(12, item)), jax_leaves(b.restore_numpy(12, item)),
+                strict=True,
+            ):  # fmt: skip
+                np.testing.assert_array_equal(x, y)
+    losses = {r["step"]: r["loss"] for r in metrics_writer.read_metrics(resumed) if "loss" in r}
+    assert losses == {
+        r["step"]: r["loss"] for r in metrics_writer.read_metrics(straight) if "loss" in r
+    }
+    assert _read_results(resumed)["accuracy"] == _read_results(straight)["accuracy"]
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def _training_lengths(config):
+    """The lengths the training batches of `config` are cut to, from the public pieces
+    FineTuning uses: the features, `train_batch` of each step, `trim_to_bucket`."""
+    from albert_jax.data.tokenizer import Tokenizer
+    from albert_jax.tasks import registry
+    from albert_jax.tasks.batching import train_batch
+    from albert_jax.tasks.kinds import get_kind
+
+    train_set = registry.read_train(config.task, config.data)
+    tokenizer = Tokenizer(config.data.tokenizer)
+    features = registry.featurize(config.task, train_set.examples, tokenizer, config)
+    kind = get_kind(registry.get_task(config.task).kind)
+    arrays = {k: features.arrays[k] for k in kind.model_inputs}
+    return {
+        trim_to_bucket(train_batch(arrays, step, config.batch_size, config.seed),
+                       kind.sequence_inputs)[1]
+        for step in range(config.num_train_steps)
+    }  # fmt: skip
