@@ -82,11 +82,15 @@ class CheckpointError(RuntimeError):
 
 
 def describe_error(error: BaseException, limit: int = 400) -> str:
-    """`"Type: first line of the message"`, cut to `limit` characters: the reason of a failed
-    save or restore in one line (Orbax / TensorStore messages run to many lines)."""
+    """`"Type: first line of the message"` in at most `limit` characters: the reason of a failed
+    save or restore in one line (Orbax / TensorStore messages run to many lines). A longer line
+    keeps its start and its end, where TensorStore puts the OS's reason ("File too large")."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     text = f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    if len(text) <= limit:
+        return text
+    half = (limit - 5) // 2
+    return f"{text[:half]} ... {text[-half:]}"
 
 
 @dataclasses.dataclass

@@ -101,6 +101,22 @@ def test_resume_with_another_model_names_the_fields_and_keeps_config_json(
 _FILE_SIZE_KIB = 64
 
 
+# `python -m albert_jax.main` that also writes the exception ending it to a file: Orbax's writer
+# threads print tracebacks of their own while the main thread's is printed, interleaved on
+# stderr down to single characters.
+_MAIN_RECORDING_ITS_ERROR = """
+import sys
+error_file = sys.argv.pop(1)
+from albert_jax import main
+try:
+    main.run()
+except Exception as e:
+    with open(error_file, "w") as f:
+        f.write(f"{type(e).__module__}.{type(e).__name__}: {e}")
+    raise
+"""
+
+
 def test_failed_save_stops_the_run_naming_step_and_path(corpus, trained, tmp_path):
     workdir = _copy(trained, tmp_path)
     opt_state = os.path.join(_step_dir(workdir, 8), "opt_state")
@@ -109,6 +125,9 @@ def test_failed_save_stops_the_run_naming_step_and_path(corpus, trained, tmp_pat
     tokenizer = os.path.join(workdir, checkpointing.TOKENIZER_FILE)
     overrides = small_overrides(corpus, num_train_steps=20, **{"data.tokenizer": tokenizer})
     args, env = main_command(workdir, overrides, 8, JAX_COMPILATION_CACHE_DIR="")
+    error_file = str(tmp_path / "error.txt")
+    assert args[1:3] == ["-m", "albert_jax.main"]
+    args = [args[0], "-c", _MAIN_RECORDING_ITS_ERROR, error_file, *args[3:]]
     # From its start the process cannot write a file larger than the limit: the write fails
     # with EFBIG (SIGXFSZ ignored), as a full disk fails with ENOSPC — a real error from the
     # OS inside Orbax's and TensorStore's writers, at the first save (step 12).
@@ -118,11 +137,13 @@ def test_failed_save_stops_the_run_naming_step_and_path(corpus, trained, tmp_pat
         text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode != 0
-    # The error that ends the run (Orbax's writer threads print their own tracebacks around it).
-    error = "albert_jax.checkpointing.CheckpointError: saving the checkpoint of "
-    [last] = [line for line in proc.stderr.splitlines() if line.startswith(error)]
-    assert f"step 12 to {_step_dir(workdir, 12)} failed" in last
-    assert "Checkpoints intact: [4, 8]" in last
+    assert os.path.exists(error_file), proc.stderr[-5000:]
+    with open(error_file) as f:
+        error = f.read()
+    assert error.startswith("albert_jax.checkpointing.CheckpointError: saving the checkpoint of ")
+    assert f"step 12 to {_step_dir(workdir, 12)} failed (ValueError: " in error
+    assert "File too large" in error  # the OS's reason, in the same message
+    assert "Checkpoints intact: [4, 8]" in error
     # Stopped at the first step boundary after the background write failed (a few 15 ms steps
     # here), never at a later save.
     assert 12 <= max(losses_by_step(workdir)) < 16
