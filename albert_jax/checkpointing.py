@@ -423,12 +423,16 @@ def latest_step_dir(workdir: str) -> str:
     return str(files.as_path(checkpoint_dir(workdir)) / str(step))
 
 
-def read_step_dir(step_dir: str | epath.Path) -> tuple[dict[str, Any], PyTree]:
+def read_step_dir(
+    step_dir: str | epath.Path, run_seed: int | None = None
+) -> tuple[dict[str, Any], PyTree]:
     """(meta, params) of one committed step dir, params as host numpy: the inner params tree
-    (what goes under `{"params": ...}`) whichever of the two conventions it was saved in.
+    (what goes under `{"params": ...}`) whichever of the two conventions it was saved in; of a
+    checkpoint of several seeds, the run of `run_seed` (`one_run`).
 
     Raises:
-      ValueError: naming `step_dir` when it is not a committed step of a training run.
+      ValueError: naming `step_dir` when it is not a committed step of a training run, or
+        holds several seeds and `run_seed` is not one of them.
     """
     directory = files.as_path(step_dir)
     if not is_step_dir(directory):
@@ -438,7 +442,23 @@ def read_step_dir(step_dir: str | epath.Path) -> tuple[dict[str, Any], PyTree]:
     meta = read_json_item(directory / "meta")
     if not isinstance(meta, dict):
         raise ValueError(f"{step_dir}/meta: expected a JSON object, got {type(meta).__name__}")
-    return meta, _read_params(directory)
+    return meta, one_run(meta, _read_params(directory), run_seed, str(step_dir))
+
+
+def one_run(meta: dict[str, Any], params: PyTree, run_seed: int | None, where: str) -> PyTree:
+    """The params of seed `run_seed` of a checkpoint of fine-tuning's `num_seeds` > 1 (every
+    array with a leading seed axis, seeds `seed..seed+N-1`); a one-run checkpoint as it is."""
+    config = meta.get("config")
+    num_seeds = int(config.get("num_seeds", 1)) if isinstance(config, dict) else 1
+    if num_seeds == 1:
+        return params
+    seeds = list(range(int(config["seed"]), int(config["seed"]) + num_seeds))
+    if run_seed not in seeds:
+        raise ValueError(
+            f"{where} holds the runs of seeds {seeds} (fine-tuning with num_seeds={num_seeds});"
+            f" pick one with run_seed=, e.g. load_pretrained(path, run_seed={seeds[0]})"
+        )
+    return jax.tree.map(lambda x: x[seeds.index(run_seed)], params)
 
 
 def _read_params(step_dir: epath.Path) -> PyTree:
@@ -450,7 +470,7 @@ def _read_params(step_dir: epath.Path) -> PyTree:
     return params
 
 
-def task_head_weights(path: str) -> dict[str, np.ndarray]:
+def task_head_weights(path: str, run_seed: int | None = None) -> dict[str, np.ndarray]:
     """The weights outside the pretraining model (`PRETRAINING_PARTS`) in a training workdir
     (latest committed step) or step dir: another fine-tuning run's task head, as flat
     {"a/b/c": host array}. Empty for anything else (a model dir, an HF or TF1 dir, a workdir
@@ -464,6 +484,6 @@ def task_head_weights(path: str) -> dict[str, np.ndarray]:
         step_dir = files.as_path(path)
     else:
         return {}
-    params = _read_params(step_dir)
+    _, params = read_step_dir(step_dir, run_seed)
     heads = tuple(part + "/" for part in PRETRAINING_PARTS)
     return {k: v for k, v in trees.flatten(params).items() if not k.startswith(heads)}

@@ -34,7 +34,6 @@ Files written (process 0):
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -49,7 +48,8 @@ import optax
 from absl import logging
 from jax.sharding import Mesh
 
-from albert_jax import checkpointing, files, heads, optim, trees
+from albert_jax import checkpointing, files, heads, optim, seeds
+from albert_jax.backbone_init import InitReport, load_checkpoint_weights, merge_pretrained
 from albert_jax.config import ModelConfig
 from albert_jax.finetune_config import (
     KNOWN_FIELDS,
@@ -93,77 +93,6 @@ def build_model(spec: TaskSpec, model_config: ModelConfig, config: Any) -> nn.Mo
 
 
 # ----------------------------------------------------------------------------------------------
-# Parameters: the pretrained backbone
-
-
-@dataclasses.dataclass
-class InitReport:
-    """Where the parameters came from: `loaded` / `missing` (initialized fresh) / `unexpected`
-    (in the checkpoint, unused) parameter paths, "/"-joined under params."""
-
-    path: str
-    source: str
-    loaded: list[str]
-    missing: list[str]
-    unexpected: list[str]
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "source": self.source,
-            "loaded": len(self.loaded),
-            "missing": self.missing,
-            "unexpected": self.unexpected,
-        }
-
-
-def merge_pretrained(
-    fresh: Mapping[str, Any], checkpoint: Mapping[str, Any]
-) -> tuple[dict[str, Any], list[str], list[str], list[str]]:
-    """Takes every checkpoint array whose path and shape the task model has.
-
-    Args:
-      fresh: {path: array or ShapeDtypeStruct} of the task model (only shapes are read).
-      checkpoint: {path: array} of what the checkpoint really holds.
-    Returns:
-      (merged {path: array}, loaded paths, missing paths, unexpected paths). A head weight of
-      another shape (e.g. a classifier with other labels) is missing *and* unexpected.
-    Raises:
-      ValueError: a backbone (`albert/...`) weight has another shape than the model's.
-    """
-    merged, loaded, missing = {}, [], []
-    for path, value in fresh.items():
-        stored = checkpoint.get(path)
-        if stored is not None and tuple(stored.shape) == tuple(value.shape):
-            merged[path] = stored
-            loaded.append(path)
-            continue
-        if stored is not None and path.startswith("albert/"):
-            raise ValueError(
-                f"checkpoint {path} has shape {tuple(stored.shape)}, the model {tuple(value.shape)}"
-            )
-        merged[path] = value
-        missing.append(path)
-    unexpected = sorted(p for p in checkpoint if p not in loaded)
-    return merged, loaded, missing, unexpected
-
-
-def _load_checkpoint(config: Any) -> tuple[Any, dict[str, np.ndarray]]:
-    """(Pretrained, {path: array} of the weights the checkpoint really holds)."""
-    from albert_jax.pretrained import load_pretrained
-
-    pretrained = load_pretrained(config.init, seed=config.seed)
-    flat = trees.flatten(pretrained.params["params"])
-    # Parts load_pretrained had to initialize were not in the checkpoint.
-    absent = tuple(part + "/" for part in pretrained.initialized)
-    stored = {k: np.asarray(v) for k, v in flat.items() if not k.startswith(absent)}
-    # Task-head weights of another fine-tuning run: `load_pretrained` keeps only the
-    # pretraining model, so they are read from its checkpoint directly.
-    stored.update(checkpointing.task_head_weights(config.init))
-    return pretrained, stored
-
-
-# ----------------------------------------------------------------------------------------------
 # The fine-tuning objective of the loop
 
 
@@ -182,11 +111,14 @@ class FineTuning:
         self.kind = get_kind(spec.kind)
         check_batch("batch_size", config.batch_size, mesh)
         check_batch("eval_batch_size", config.eval_batch_size, mesh)
-        self.global_batch = int(config.batch_size)
+        # N seeds in one program: each seed's batch of `batch_size` rows, interleaved.
+        self.seeds = seeds.seeds_of(config.seed, config.num_seeds)
+        self.num_seeds = len(self.seeds)
+        self.global_batch = int(config.batch_size) * self.num_seeds
         self.eval_every_steps = int(config.eval_every_steps)
 
         # --- checkpoint, tokenizer and model config
-        pretrained, self.stored = (None, {}) if not config.init else _load_checkpoint(config)
+        pretrained, self.stored = (None, {}) if not config.init else load_checkpoint_weights(config)
         self.tokenizer, tokenizer_path = self._tokenizer(pretrained)
         self.model_config = model_config(
             config, pretrained.config if pretrained else None, self.tokenizer.vocab_size
@@ -234,7 +166,7 @@ class FineTuning:
         self.lengths_seen: set[int] = set()  # length buckets compiled so far
         self.report: dict[str, Any] | None = None  # InitReport.as_dict()
         self.results: dict[str, Any] = {}  # of the last evaluation
-        self.predictions: list[Any] = []
+        self.predictions: dict[int, list[Any]] = {}  # {seed: [predictions of each eval set]}
 
     def _tokenizer(self, pretrained: Any) -> tuple[Any, str | None]:
         from albert_jax.data.tokenizer import Tokenizer
@@ -272,7 +204,9 @@ class FineTuning:
         return self.kind.loss(outputs, batch)
 
     def eval_fn(self, params: PyTree, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-        return self.kind.apply(self.model, params, batch, train=False)
+        """The kind's outputs [B, ...]; N seeds: [B, N, ...] (rows stay the sharded axis)."""
+        predict = lambda p: self.kind.apply(self.model, p, batch, train=False)  # noqa: E731
+        return predict(params) if self.num_seeds == 1 else jax.vmap(predict, out_axes=1)(params)
 
     def initial_weights(self, abstract: Mapping[str, Any]) -> dict[str, Any]:
         """The checkpoint's weights the task model has (reported: loaded / missing, which the
@@ -304,6 +238,7 @@ class FineTuning:
         return {
             "step": int(step),
             "seed": int(self.config.seed),
+            "num_seeds": self.num_seeds,
             "batch_size": int(self.config.batch_size),
             "num_train_steps": int(self.total_steps),
             "num_train_features": len(self.train_features),
@@ -333,7 +268,10 @@ class FineTuning:
                 self.report = files.read_json(earlier).get("init") if earlier.exists() else None
 
     def next_batch(self, step: int) -> dict[str, np.ndarray]:
-        batch = train_batch(self.train_arrays, step - 1, self.global_batch, self.config.seed)
+        rows = int(self.config.batch_size)
+        batch = seeds.interleave(
+            [train_batch(self.train_arrays, step - 1, rows, seed) for seed in self.seeds]
+        )
         return process_rows(self._cut(batch))
 
     def _cut(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -362,9 +300,10 @@ class FineTuning:
     # ---------------------------------------------------------------------------- evaluation
     def evaluate(self, loop: Loop, params: PyTree) -> dict[str, Any]:
         """Scores every eval set (metrics prefixed by the set name when there are several) and
-        keeps the results and predictions; returns the numeric ones as `eval_*`."""
-        results: dict[str, Any] = {}
-        self.predictions = []
+        keeps the results and predictions; returns the numeric ones as `eval_*` (N seeds: the
+        median over the seeds, and each seed's as `eval_<metric>/seed_<seed>`)."""
+        per_seed: dict[int, dict[str, Any]] = {seed: {} for seed in self.seeds}
+        self.predictions = {seed: [] for seed in self.seeds}
         keys = self.kind.predict_inputs  # labels stay on the host
         for eval_set, features in zip(self.eval_sets, self.eval_features, strict=True):
             arrays = {k: features.arrays[k] for k in keys}
@@ -381,15 +320,27 @@ class FineTuning:
                 for k, v in out.items():
                     gathered.setdefault(k, []).append(self._uncut(k, np.asarray(v)[real]))
             outputs = {k: np.concatenate(v)[np.argsort(order)] for k, v in gathered.items()}
-            metrics, predictions = self.kind.score(
-                eval_set, features, outputs, self.config, self.spec
-            )
             prefix = f"{eval_set.name}/" if len(self.eval_sets) > 1 else ""
-            results.update({prefix + k: v for k, v in metrics.items()})
-            results[prefix + "num_examples"] = len(eval_set.examples)
-            self.predictions.append(predictions)
-        self.results = results
-        return {f"eval_{k}": v for k, v in results.items() if _is_number(v)}
+            for i, seed in enumerate(self.seeds):
+                seed_outputs = outputs if self.num_seeds == 1 else {
+                    k: v[:, i] for k, v in outputs.items()
+                }  # fmt: skip
+                metrics, predictions = self.kind.score(
+                    eval_set, features, seed_outputs, self.config, self.spec
+                )
+                per_seed[seed].update({prefix + k: v for k, v in metrics.items()})
+                per_seed[seed][prefix + "num_examples"] = len(eval_set.examples)
+                self.predictions[seed].append(predictions)
+        if self.num_seeds == 1:
+            self.results = per_seed[self.seeds[0]]
+            return {f"eval_{k}": v for k, v in self.results.items() if _is_number(v)}
+        norms = fetch(jax.jit(jax.vmap(optax.tree.norm))(params))
+        finite = {seed: bool(np.isfinite(n)) for seed, n in zip(self.seeds, norms, strict=True)}
+        self.results = seeds.summarize(per_seed, finite)
+        logged = {f"eval_{k}": v for k, v in self.results["median"].items()}
+        for seed, metrics in per_seed.items():
+            logged.update({f"eval_{k}/seed_{seed}": v for k, v in metrics.items() if _is_number(v)})
+        return logged
 
     def _eval_order(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
         """Feature rows by real length (stable), or as they are without length buckets."""
@@ -409,13 +360,18 @@ class FineTuning:
 
     # ----------------------------------------------------------------------------- outputs
     def write_predictions(self) -> list[str]:
-        """Each eval set's prediction files (the kind's; suffixed _<k> when there are several);
-        returns the paths written."""
+        """Each eval set's prediction files (the kind's; suffixed _<k> when there are several;
+        N seeds: each seed's in WORKDIR/seed_<seed>/); returns the paths written."""
         written = []
-        pairs = zip(self.eval_sets, self.predictions, strict=True)
-        for k, (eval_set, preds) in enumerate(pairs):
-            suffix = f"_{k}" if len(self.eval_sets) > 1 else ""
-            written += self.kind.write_predictions(self.workdir, suffix, eval_set, preds)
+        for seed, predictions in self.predictions.items():
+            where = self.workdir
+            if self.num_seeds > 1:
+                where = str(files.as_path(self.workdir) / f"seed_{seed}")
+                files.as_path(where).mkdir(parents=True, exist_ok=True)
+            pairs = zip(self.eval_sets, predictions, strict=True)
+            for k, (eval_set, preds) in enumerate(pairs):
+                suffix = f"_{k}" if len(self.eval_sets) > 1 else ""
+                written += self.kind.write_predictions(where, suffix, eval_set, preds)
         return written
 
     def data_report(self) -> dict[str, Any]:
@@ -481,7 +437,48 @@ def finetune_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     results["preempted"] = False
     if jax.process_index() == 0:
         results["prediction_files"] = objective.write_predictions()
+    if objective.num_seeds > 1 and results["failed_seeds"] and config.restart_failed_seeds:
+        results = _restart_failed_seeds(config, workdir, results)
+    if jax.process_index() == 0:
         files.write_json(files.as_path(workdir) / EVAL_RESULTS_FILE, results)
-    numbers = {k: v for k, v in objective.results.items() if _is_number(v)}
+    numbers = results.get("median", results)
+    numbers = {k: v for k, v in numbers.items() if _is_number(v) and k != "step"}
     logging.info("eval: %s", ", ".join(f"{k} {v:.4g}" for k, v in numbers.items()))
     return results
+
+
+RESTART_DIR = "restarted_seeds"
+
+
+def _restart_failed_seeds(config: Any, workdir: str, results: dict[str, Any]) -> dict[str, Any]:
+    """Runs as many fresh seeds as failed (the seeds after the run's last, one program, in
+    WORKDIR/restarted_seeds) and reports them in place of the failed ones: `per_seed` and the
+    statistics over the kept and the new seeds, `replaced_seeds` [{"seed", "reason",
+    "replaced_by", "metrics"}], `failed_seeds` those of the new seeds that failed too (one
+    round)."""
+    failed = results["failed_seeds"]
+    restart = config.copy_and_resolve_references()
+    restart.seed = max(results["seeds"]) + 1
+    restart.num_seeds = len(failed)
+    restart.restart_failed_seeds = False
+    logging.warning("restarting failed seeds %s as seeds %s",
+                    [f["seed"] for f in failed],
+                    seeds.seeds_of(restart.seed, restart.num_seeds))  # fmt: skip
+    rerun = finetune_and_evaluate(restart, str(files.as_path(workdir) / RESTART_DIR))
+    if rerun.get("preempted"):
+        raise RuntimeError("preempted while restarting failed seeds; run the command again")
+    new = [int(s) for s in rerun["seeds"]]
+    dropped = {f["seed"] for f in failed}
+    per_seed = {int(s): v for s, v in results["per_seed"].items() if int(s) not in dropped}
+    per_seed.update({int(s): v for s, v in rerun["per_seed"].items()})
+    diverged = {f["seed"] for f in rerun["failed_seeds"] if f["reason"].startswith("diverged")}
+    merged = seeds.summarize(per_seed, {s: s not in diverged for s in per_seed})
+    merged["replaced_seeds"] = [
+        {**f, "replaced_by": s, "metrics": results["per_seed"][str(f["seed"])]}
+        for f, s in zip(failed, new, strict=True)
+    ]
+    return {
+        **results,
+        **merged,
+        "prediction_files": results.get("prediction_files", []) + rerun.get("prediction_files", []),
+    }

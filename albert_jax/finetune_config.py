@@ -25,8 +25,8 @@ KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
         "start_n_top", "end_n_top", "null_threshold", "optimizer", "learning_rate", "batch_size",
         "eval_batch_size", "num_train_steps", "num_train_epochs", "warmup_steps",
         "warmup_fraction", "lr_poly_power", "weight_decay", "grad_clip_norm", "b1", "b2", "eps",
-        "mesh", "seed", "log_every_steps", "eval_every_steps", "checkpoint_every_steps",
-        "keep_checkpoints", "resume_strict", "debug",
+        "mesh", "seed", "num_seeds", "restart_failed_seeds", "log_every_steps",
+        "eval_every_steps", "checkpoint_every_steps", "keep_checkpoints", "resume_strict", "debug",
     ),
     "data": (
         "train_files", "eval_files", "data_dir", "train_split", "eval_split", "race_levels",
@@ -68,7 +68,7 @@ def validate_config(config: Any) -> TaskSpec:
                 f"config.model.{fixed[0]} cannot change a pretrained model (init={config.init!r});"
                 f" only {RUNTIME_FIELDS} may be set"
             )
-    for name in ("batch_size", "eval_batch_size", "max_seq_length", "log_every_steps"):
+    for name in ("batch_size", "eval_batch_size", "max_seq_length", "log_every_steps", "num_seeds"):
         if int(config[name]) < 1:
             raise ValueError(f"config.{name} must be >= 1, got {config[name]}")
     if config.num_train_epochs <= 0 and config.num_train_steps < 0:

@@ -63,6 +63,7 @@ class Objective(Protocol):
     total_steps: int  # updates of the run
     global_batch: int  # rows of one training batch over all processes
     microbatches: int  # gradient accumulation steps per update (1: none)
+    num_seeds: int  # runs in one program (train_state.py: a leading seed axis; 1: none)
     flops_per_step: float | None  # model FLOPs of one update (global batch); None: no MFU
     eval_every_steps: int  # evaluate every that many steps (0: only as `final_eval` says)
     final_eval: bool  # evaluate after the last step (at once if nothing is left to train)
@@ -160,7 +161,7 @@ class Loop:
         self._stack.enter_context(nn.logical_axis_rules(LOGICAL_AXIS_RULES))
         self.batch_sharding = batch_sharding(mesh)
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        self.layout = create_state(objective, mesh, int(config.seed))
+        self.layout = create_state(objective, mesh, int(config.seed), objective.num_seeds)
         every = int(config.checkpoint_every_steps) or max(self.total, 1)
         self.checkpointer = checkpointing.Checkpointer(
             workdir, every_steps=every, keep=int(config.keep_checkpoints)
@@ -175,6 +176,7 @@ class Loop:
                 self.layout.tx,
                 microbatches=objective.microbatches,
                 seed=int(config.seed),
+                num_seeds=objective.num_seeds,
             ),
             in_shardings=(shardings, self.batch_sharding),
             out_shardings=(shardings, self.replicated),

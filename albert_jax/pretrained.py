@@ -209,8 +209,10 @@ def load_tf_checkpoint(
 load_tf_dir = load_tf_checkpoint  # the name `convert` has always exported
 
 
-def _load_step_dir(step_dir: str) -> tuple[ModelConfig, dict[str, Any], int, str | None]:
-    meta, params = checkpointing.read_step_dir(step_dir)
+def _load_step_dir(
+    step_dir: str, run_seed: int | None
+) -> tuple[ModelConfig, dict[str, Any], int, str | None]:
+    meta, params = checkpointing.read_step_dir(step_dir, run_seed)
     if "model_config" not in meta:
         raise ValueError(f"{step_dir}/meta: needs a 'model_config' entry (see checkpoint_meta)")
     config = ModelConfig.from_dict(meta["model_config"])
@@ -311,13 +313,15 @@ def load_pretrained(
     dtype: str | None = None,
     param_dtype: str | None = None,
     seed: int = 0,
+    run_seed: int | None = None,
 ) -> Pretrained:
     """Loads an albert_jax model dir / workdir / step dir, an HF dir or an official TF1 dir,
     local or remote.
 
     `dtype` overrides the compute dtype (`ModelConfig.dtype`, e.g. "bfloat16"); `param_dtype`
     casts the weights (default: as stored; HF / TF weights are read as float32). `seed`
-    initializes parts the checkpoint lacks.
+    initializes parts the checkpoint lacks. `run_seed` picks one run of a fine-tuning checkpoint
+    of several seeds (`config.num_seeds`).
 
     Raises:
       ValueError: naming `path` when it does not exist or is no known layout, or listing every
@@ -330,7 +334,7 @@ def load_pretrained(
         source = "albert_jax"
     elif layout in ("workdir", "step_dir"):
         step_dir = checkpointing.latest_step_dir(path) if layout == "workdir" else path
-        config, params, step, tokenizer_path = _load_step_dir(step_dir)
+        config, params, step, tokenizer_path = _load_step_dir(step_dir, run_seed)
         source = "albert_jax"
     elif layout == "hf":
         config, params = load_hf_checkpoint(path)

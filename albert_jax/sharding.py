@@ -36,6 +36,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("heads", "tensor"),
     ("kv", None),
     ("layers", None),  # stacked unshared weights: every device runs every layer
+    ("seeds", None),  # fine-tuning seeds in one program: every device updates every seed
 )
 
 

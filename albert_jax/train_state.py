@@ -7,6 +7,14 @@
   pretrained backbone) are placed as they are; only the rest is initialized.
 - `make_step`: gradient accumulation over microbatches, the optimizer update, and the gradient
   / parameter norms; the loop jits it with explicit in/out shardings and the state donated.
+
+Several seeds in one program (`num_seeds` = N > 1, fine-tuning's `config.num_seeds`): every
+parameter and optimizer array gets a leading seed axis (logical axis `seeds`, not sharded: each
+device holds every seed of its batch rows), seed i initialized from `key(seed + i)` and its
+dropout from `key(seed + i + 1)`, exactly as a one-seed run with `seed + i` would; the update
+is the one-seed update under `jax.vmap`, so clipping, the optimizer and the norms stay per seed.
+The batch holds the N seeds' rows interleaved (row b of seed i at b * N + i: each data shard
+keeps all seeds of its rows, so splitting the axis needs no communication).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from albert_jax import optim, trees
 from albert_jax.sharding import LOGICAL_AXIS_RULES
 
 PyTree = Any
+SEED_AXIS = "seeds"  # logical axis of the leading seed axis (replicated: see LOGICAL_AXIS_RULES)
 
 
 @flax.struct.dataclass
@@ -50,24 +59,51 @@ class StateLayout:
     initialize: Callable[..., TrainState]
 
 
-def create_state(objective: Any, mesh: Mesh, seed: int) -> StateLayout:
-    """Sharded state creation for `objective` (its `init_variables` and `make_optimizer`).
+def seed_keys(seed: int, num_seeds: int) -> jax.Array:
+    """`key(seed)` for one seed; [N] keys `key(seed + i)` for N seeds (run i = the run of
+    `seed + i`)."""
+    if num_seeds == 1:
+        return jax.random.key(seed)
+    return jax.vmap(jax.random.key)(jnp.arange(seed, seed + num_seeds))
+
+
+def _per_seed(fn: Callable[..., Any], num_seeds: int) -> Callable[..., Any]:
+    return fn if num_seeds == 1 else jax.vmap(fn)
+
+
+def _with_seed_axis(boxed: PyTree) -> PyTree:
+    """Boxed params of a vmapped init: the leading axis named `SEED_AXIS`."""
+    return jax.tree.map(
+        lambda x: x.add_axis(0, {nn.PARTITION_NAME: SEED_AXIS})
+        if isinstance(x, nn.Partitioned) else x,
+        boxed,
+        is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata),
+    )  # fmt: skip
+
+
+def create_state(objective: Any, mesh: Mesh, seed: int, num_seeds: int = 1) -> StateLayout:
+    """Sharded state creation for `objective` (its `init_variables` and `make_optimizer`);
+    N > 1 `num_seeds`: every array with a leading seed axis [N, ...].
 
     Must run under `jax.set_mesh(mesh)` and `nn.logical_axis_rules(LOGICAL_AXIS_RULES)`.
     """
-    rng = jax.random.key(seed)
-    boxed = jax.eval_shape(objective.init_variables, rng)
+    rng = seed_keys(seed, num_seeds)
+    init_variables = _per_seed(objective.init_variables, num_seeds)
+    boxed = jax.eval_shape(init_variables, rng)
+    if num_seeds > 1:
+        boxed = _with_seed_axis(boxed)
     param_shardings = nn.logical_to_mesh_sharding(
         nn.get_partition_spec(boxed), mesh, LOGICAL_AXIS_RULES
     )
     tx = objective.make_optimizer(boxed)
+    init_opt = _per_seed(tx.init, num_seeds)
     # `.value`, not nn.meta.unbox: unbox would add a sharding constraint to a ShapeDtypeStruct.
     abstract_params = jax.tree.map(
         lambda x: x.value if isinstance(x, nn.meta.AxisMetadata) else x,
         boxed,
         is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata),
     )
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    abstract_opt = jax.eval_shape(init_opt, abstract_params)
     replicated = NamedSharding(mesh, PartitionSpec())
     # Moments follow their parameter's sharding; counters and hyperparameters are replicated.
     opt_shardings = optax.tree_map_params(
@@ -85,7 +121,8 @@ def create_state(objective: Any, mesh: Mesh, seed: int) -> StateLayout:
     flat_abstract, flat_shardings = trees.flatten(abstract_params), trees.flatten(param_shardings)
 
     def initialize(loaded: Mapping[str, Any] | None = None) -> TrainState:
-        """Fresh state: `loaded` weights as they are, the others as a random init gives them."""
+        """Fresh state: `loaded` weights as they are (the same for every seed), the others as
+        a random init gives them (each seed its own)."""
         loaded = loaded or {}
         missing = [k for k in flat_abstract if k not in loaded]
 
@@ -95,17 +132,18 @@ def create_state(objective: Any, mesh: Mesh, seed: int) -> StateLayout:
             flat = trees.flatten(nn.meta.unbox(objective.init_variables(r)))
             return {k: flat[k] for k in missing}
 
+        def place(name: str) -> jax.Array:
+            value = np.asarray(loaded[name], flat_abstract[name].dtype)
+            shape = flat_abstract[name].shape
+            return jax.device_put(np.broadcast_to(value, shape), flat_shardings[name])
+
         fresh = {}
         if missing:
             out_shardings = {k: flat_shardings[k] for k in missing}
-            fresh = jax.jit(init_missing, out_shardings=out_shardings)(rng)
-        placed = {
-            k: fresh[k] if k in fresh
-            else jax.device_put(np.asarray(loaded[k], flat_abstract[k].dtype), flat_shardings[k])
-            for k in flat_abstract
-        }  # fmt: skip
+            fresh = jax.jit(_per_seed(init_missing, num_seeds), out_shardings=out_shardings)(rng)
+        placed = {k: fresh[k] if k in fresh else place(k) for k in flat_abstract}
         params = jax.tree.map(lambda _, x: x, abstract_params, trees.unflatten(placed))
-        opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+        opt_state = jax.jit(init_opt, out_shardings=opt_shardings)(params)
         return TrainState(jax.device_put(np.int32(0), replicated), params, opt_state)
 
     return StateLayout(tx, abstract, shardings, initialize)
@@ -117,25 +155,59 @@ def make_step(
     *,
     microbatches: int,
     seed: int,
+    num_seeds: int = 1,
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
     """(state, batch) → (state after one update, scalar metrics): `loss_fn`'s metrics plus
-    `grad_norm`, `param_norm` and `learning_rate`. Dropout keys are `fold_in(key, step)`."""
-    dropout_key = jax.random.key(seed + 1)  # independent of the init key
+    `grad_norm`, `param_norm` and `learning_rate`. Dropout keys are `fold_in(key, step)`.
 
-    def train_step(state: TrainState, batch: dict[str, jax.Array]):
-        rng = jax.random.fold_in(dropout_key, state.step)
+    N > 1 `num_seeds`: the batch is [B * N, ...] (seeds interleaved, see the module
+    docstring); the metrics are each seed's (`"loss/seed_<seed + i>"`, ...) and, under the
+    plain names, their mean over the seeds still finite (NaN once every seed diverged, which
+    stops the loop), with `seeds_diverged` counting the others.
+    """
+    dropout_keys = seed_keys(seed + 1, num_seeds)  # independent of the init keys
+
+    def update(params, opt_state, step, batch, dropout_key):
+        rng = jax.random.fold_in(dropout_key, step)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        _, metrics, grads = optim.accumulate_gradients(
-            grad_fn, state.params, batch, microbatches, rng
-        )
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        _, metrics, grads = optim.accumulate_gradients(grad_fn, params, batch, microbatches, rng)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
         metrics = {
             **metrics,
             "grad_norm": optax.tree.norm(grads),
             "param_norm": optax.tree.norm(params),
             "learning_rate": optim.current_learning_rate(opt_state),
         }
+        return params, opt_state, metrics
+
+    def train_step(state: TrainState, batch: dict[str, jax.Array]):
+        if num_seeds == 1:
+            params, opt_state, metrics = update(
+                state.params, state.opt_state, state.step, batch, dropout_keys
+            )
+        else:
+            rows = {k: v.reshape(v.shape[0] // num_seeds, num_seeds, *v.shape[1:])
+                    for k, v in batch.items()}  # fmt: skip
+            params, opt_state, metrics = jax.vmap(update, in_axes=(0, 0, None, 1, 0))(
+                state.params, state.opt_state, state.step, rows, dropout_keys
+            )
+            metrics = seed_metrics(metrics, seed)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
+
+
+def seed_metrics(metrics: Mapping[str, jax.Array], seed: int) -> dict[str, jax.Array]:
+    """Per-seed metrics {name: [N]} → `name/seed_<seed + i>` scalars, and under `name` the
+    mean over the seeds whose loss and norms are finite; `seeds_diverged` counts the rest."""
+    finite = jnp.isfinite(metrics["loss"])
+    for name in ("grad_norm", "param_norm"):
+        finite &= jnp.isfinite(metrics[name])
+    count = jnp.sum(finite)
+    out: dict[str, jax.Array] = {"seeds_diverged": finite.size - count}
+    for name, values in metrics.items():
+        out[name] = jnp.sum(jnp.where(finite, values, 0.0)) / count  # 0 / 0: NaN, all diverged
+        for i in range(values.shape[0]):
+            out[f"{name}/seed_{seed + i}"] = values[i]
+    return out

@@ -63,6 +63,8 @@ class PretrainingModel:
     (per-layer trust ratio for stacked weights) and the MLM + SOP loss; what `loop.Loop`
     compiles. `mesh` sizes the init's dummy batch so that it splits over the data axes."""
 
+    num_seeds = 1  # one run per program (seeds in one program are for fine-tuning)
+
     def __init__(self, config: Any, model: AlbertForPreTraining, mesh: Mesh | None = None):
         self.config, self.model = config, model
         self.init_rows = mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1

@@ -113,6 +113,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # --- loop
     c.seed = 0  # head init, dropout and data order
+    c.num_seeds = 1  # N > 1: seeds seed..seed+N-1 as one program; eval_results has median etc.
+    c.restart_failed_seeds = False  # re-run seeds that diverged / ended at chance, fresh seeds
     c.log_every_steps = 50  # metrics.jsonl cadence
     c.eval_every_steps = 0  # evaluate every N steps too (0: only at the end)
     c.checkpoint_every_steps = 0  # save every N steps too (0: only at the end)

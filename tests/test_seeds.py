@@ -1,0 +1,169 @@
+"""Several fine-tuning seeds in one program (`config.num_seeds`): each seed is the run of its
+own seed, the summary and failure flags of eval_results.json, restarts of failed seeds, and a
+tiny pretrained model's sentiment_rt over four seeds."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from test_finetune import (
+    _read_results,
+    pretrained_workdir,
+    sentiment_tiny_config,
+    small_config,
+    tiny_tokenizer_path,
+)
+
+from albert_jax import finetune, seeds
+from albert_jax.metrics_writer import read_metrics
+from albert_jax.pretrained import load_pretrained
+
+
+def _losses(workdir, key: str = "loss") -> dict[int, float]:
+    return {r["step"]: r[key] for r in read_metrics(str(workdir)) if key in r}
+
+
+def _predictions(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+# ------------------------------------------------------------------------------ unit: summary
+def test_interleave_puts_row_b_of_seed_i_at_b_times_n_plus_i():
+    batches = [{"x": np.arange(4)[:, None] + 10 * i} for i in range(3)]
+    out = seeds.interleave(batches)["x"][:, 0]
+    assert out.tolist() == [0, 10, 20, 1, 11, 21, 2, 12, 22, 3, 13, 23]
+    assert seeds.interleave(batches[:1])["x"] is batches[0]["x"]
+
+
+def test_failure_flags_each_kind_at_its_constant_predictor():
+    assert seeds.failure({"accuracy": 0.61, "majority_accuracy": 0.6}) is not None
+    assert seeds.failure({"accuracy": 0.7, "majority_accuracy": 0.6}) is None
+    assert seeds.failure({"accuracy": 0.255, "chance_accuracy": 0.25}) is not None
+    assert seeds.failure({"pearson": 0.05, "spearman": 0.3}) is not None
+    assert seeds.failure({"pearson": float("nan")}) is not None  # constant predictions
+    assert seeds.failure({"pearson": -0.4}) is None
+    v2 = {"f1": 50.5, "total": 100, "NoAns_total": 50}
+    assert "no answer everywhere" in seeds.failure(v2)
+    assert seeds.failure({**v2, "f1": 60.0}) is None
+    assert seeds.failure({"exact_match": 0.0, "f1": 0.5, "total": 10}) is not None  # v1
+    # Several eval sets: a seed fails when one of them does, named by the set.
+    two = {"m/accuracy": 0.8, "m/majority_accuracy": 0.4, "mm/accuracy": 0.4,
+           "mm/majority_accuracy": 0.4}  # fmt: skip
+    assert seeds.failure(two).startswith("mm: accuracy")
+
+
+def test_summary_statistics_skip_diverged_seeds():
+    per_seed = {
+        3: {"accuracy": 0.8, "majority_accuracy": 0.5, "num_examples": 10, "version": "x"},
+        4: {"accuracy": 0.6, "majority_accuracy": 0.5, "num_examples": 10, "version": "x"},
+        5: {"accuracy": 0.5, "majority_accuracy": 0.5, "num_examples": 10, "version": "x"},
+        6: {"accuracy": float("nan"), "majority_accuracy": 0.5, "num_examples": 10},
+    }
+    out = seeds.summarize(per_seed, {3: True, 4: True, 5: True, 6: False})
+    assert out["seeds"] == [3, 4, 5, 6] and out["num_seeds"] == 4
+    assert set(out["per_seed"]) == {"3", "4", "5", "6"}
+    assert out["median"]["accuracy"] == pytest.approx(0.6)
+    assert out["mean"]["accuracy"] == pytest.approx(np.mean([0.8, 0.6, 0.5]))
+    assert out["std"]["accuracy"] == pytest.approx(np.std([0.8, 0.6, 0.5]))
+    assert (out["min"]["accuracy"], out["max"]["accuracy"]) == (0.5, 0.8)
+    assert "version" not in out["median"]
+    assert [f["seed"] for f in out["failed_seeds"]] == [5, 6]
+    assert out["failed_seeds"][1]["reason"].startswith("diverged")
+
+
+# ------------------------------------------------------------------- N seeds = N separate runs
+def test_each_seed_is_the_run_of_its_own_seed(tmp_path_factory, shared_data, tmp_path):
+    """Three seeds in one program on the sharded (data 2, fsdp 2, tensor 2) mesh: seed 1 of
+    them trains and predicts as a one-seed run with seed=1 (losses per step, predictions)."""
+    spm = tiny_tokenizer_path(tmp_path_factory, shared_data)
+    config = sentiment_tiny_config(spm, shared_data, num_seeds=3)
+    # Stopped by SIGTERM after step 6 and restarted: the seeds' state and data resume too.
+    config.debug.sigterm_after_step = 6
+    stopped = finetune.finetune_and_evaluate(config, str(tmp_path / "n3"))
+    assert stopped["preempted"] and stopped["checkpoint_step"] == 6
+    config.debug.sigterm_after_step = 0
+    together = finetune.finetune_and_evaluate(config, str(tmp_path / "n3"))
+    config.num_seeds, config.seed = 1, 1
+    alone = finetune.finetune_and_evaluate(config, str(tmp_path / "seed1"))
+
+    assert together["seeds"] == [0, 1, 2] and set(together["per_seed"]) == {"0", "1", "2"}
+    np.testing.assert_allclose(
+        list(_losses(tmp_path / "n3", "loss/seed_1").values()),
+        list(_losses(tmp_path / "seed1").values()),
+        rtol=2e-5,
+    )
+    assert together["per_seed"]["1"]["accuracy"] == pytest.approx(alone["accuracy"], abs=1e-6)
+    assert _predictions(tmp_path / "n3" / "seed_1" / "predictions.jsonl") == _predictions(
+        tmp_path / "seed1" / "predictions.jsonl"
+    )
+    # The seeds differ (head init, dropout, data order), and the record says how.
+    losses = [_losses(tmp_path / "n3", f"loss/seed_{s}")[12] for s in (0, 1, 2)]
+    assert len(set(losses)) == 3
+    accuracies = [together["per_seed"][s]["accuracy"] for s in ("0", "1", "2")]
+    assert together["median"]["accuracy"] == pytest.approx(np.median(accuracies))
+    on_disk = _read_results(tmp_path / "n3")
+    assert on_disk["median"] == together["median"] and on_disk["num_seeds"] == 3
+    assert {"seed_0", "seed_1", "seed_2"} <= set(os.listdir(tmp_path / "n3"))
+    # The checkpoint holds every seed's model; loading it picks one.
+    with pytest.raises(ValueError, match=r"holds the runs of seeds \[0, 1, 2\]"):
+        load_pretrained(str(tmp_path / "n3"))
+    picked = load_pretrained(str(tmp_path / "n3"), run_seed=1).params["params"]
+    own = load_pretrained(str(tmp_path / "seed1")).params["params"]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), picked, own)
+    last = read_metrics(str(tmp_path / "n3"))[-1]
+    assert last["seeds_diverged"] == 0
+    assert last["eval_accuracy"] == pytest.approx(together["median"]["accuracy"])
+    assert last["eval_accuracy/seed_2"] == pytest.approx(accuracies[2])
+
+
+def test_failed_seeds_are_restarted_with_fresh_seeds(tmp_path_factory, shared_data, tmp_path):
+    """A learning rate of 1e-9 leaves every seed at its random init: all fail (at the majority
+    class or below) and are run again as the seeds after them, in one program."""
+    config = sentiment_tiny_config(
+        tiny_tokenizer_path(tmp_path_factory, shared_data), shared_data, num_seeds=2,
+        restart_failed_seeds=True, learning_rate=1e-9, checkpoint_every_steps=0,
+        num_train_steps=4, seed=7,
+    )  # fmt: skip
+    results = finetune.finetune_and_evaluate(config, str(tmp_path / "run"))
+    assert [r["seed"] for r in results["replaced_seeds"]] == [7, 8]
+    assert [r["replaced_by"] for r in results["replaced_seeds"]] == [9, 10]
+    assert all("majority_accuracy" in r["reason"] for r in results["replaced_seeds"])
+    assert results["seeds"] == [9, 10] and set(results["per_seed"]) == {"9", "10"}
+    assert [f["seed"] for f in results["failed_seeds"]] == [9, 10]  # one round only
+    restarted = _read_results(tmp_path / "run" / finetune.RESTART_DIR)
+    assert restarted["seeds"] == [9, 10]
+    assert restarted["per_seed"]["9"] == results["per_seed"]["9"]
+    assert _read_results(tmp_path / "run")["replaced_seeds"] == results["replaced_seeds"]
+
+
+# ------------------------------------------------------------- the issue's acceptance figure
+def test_four_seeds_on_pretrained_sentiment_rt(tmp_path_factory, shared_data, tmp_path):
+    """Tiny pretrained → sentiment_rt: four seeds in one program report each seed's accuracy
+    and the median, which is within a point of (or above) the one-seed run's."""
+    init = pretrained_workdir(tmp_path_factory, shared_data)
+    settings = dict(
+        learning_rate=3e-4, num_train_steps=500, warmup_steps=50, eval_batch_size=256,
+        max_seq_length=40,
+    )  # fmt: skip
+    one = finetune.finetune_and_evaluate(
+        small_config("sentiment_rt", init, shared_data, **settings), str(tmp_path / "one")
+    )
+    config = small_config("sentiment_rt", init, shared_data, num_seeds=4, **settings)
+    four = finetune.finetune_and_evaluate(config, str(tmp_path / "four"))
+    accuracies = {s: r["accuracy"] for s, r in four["per_seed"].items()}
+    print("sentiment_rt dev: one seed", one["accuracy"], "four seeds", accuracies,
+          "median", four["median"]["accuracy"], "failed", four["failed_seeds"])  # fmt: skip
+    assert list(accuracies) == ["0", "1", "2", "3"]
+    assert four["median"]["accuracy"] >= one["accuracy"] - 0.01
+    assert abs(accuracies["0"] - one["accuracy"]) <= 2 / 1109  # seed 0 is the one-seed run
+    for s in range(4):
+        rows = _predictions(tmp_path / "four" / f"seed_{s}" / "predictions.jsonl")
+        assert len(rows) == 1109
+        assert np.mean([r["prediction"] == r["label"] for r in rows]) == pytest.approx(
+            accuracies[str(s)]
+        )
