@@ -214,6 +214,8 @@ class FineTuning:
         if not self.config.init:
             self.report = InitReport("", "scratch", [], sorted(abstract), []).as_dict()
             return {}
+        if self.num_seeds > 1:  # every seed starts from the same checkpoint weights
+            abstract = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in abstract.items()}
         merged, loaded, missing, unexpected = merge_pretrained(abstract, self.stored)
         source, path = self.init_source
         self.report = InitReport(path, source, loaded, missing, unexpected).as_dict()

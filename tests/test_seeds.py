@@ -11,8 +11,10 @@ import jax
 import numpy as np
 import pytest
 from test_finetune import (
+    SENTIMENT_SETTINGS,
     _read_results,
     pretrained_workdir,
+    sentiment_pretrained_run,
     sentiment_tiny_config,
     small_config,
     tiny_tokenizer_path,
@@ -146,14 +148,8 @@ def test_four_seeds_on_pretrained_sentiment_rt(tmp_path_factory, shared_data, tm
     """Tiny pretrained → sentiment_rt: four seeds in one program report each seed's accuracy
     and the median, which is within a point of (or above) the one-seed run's."""
     init = pretrained_workdir(tmp_path_factory, shared_data)
-    settings = dict(
-        learning_rate=3e-4, num_train_steps=500, warmup_steps=50, eval_batch_size=256,
-        max_seq_length=40,
-    )  # fmt: skip
-    one = finetune.finetune_and_evaluate(
-        small_config("sentiment_rt", init, shared_data, **settings), str(tmp_path / "one")
-    )
-    config = small_config("sentiment_rt", init, shared_data, num_seeds=4, **settings)
+    one = _read_results(sentiment_pretrained_run(tmp_path_factory, shared_data))
+    config = small_config("sentiment_rt", init, shared_data, num_seeds=4, **SENTIMENT_SETTINGS)
     four = finetune.finetune_and_evaluate(config, str(tmp_path / "four"))
     accuracies = {s: r["accuracy"] for s, r in four["per_seed"].items()}
     print("sentiment_rt dev: one seed", one["accuracy"], "four seeds", accuracies,
