@@ -26,7 +26,7 @@ from typing import Any
 
 from absl import app, flags, logging
 
-from albert_jax import files
+from albert_jax import files, process_setup
 
 RESULTS_FILE = "eval_results.json"  # = finetune.EVAL_RESULTS_FILE (not imported: jax-free)
 TABLE_MD = "glue_table.md"
@@ -470,24 +470,12 @@ def main(argv: list[str]) -> None:
 
 
 def _set_up_process(tasks: Sequence[str]) -> None:
-    """What albert_jax.main does first (its module defines flags, so it is not imported):
-    `jax.distributed.initialize()` when several processes take part (a TPU pod, or
-    JAX_COORDINATOR_ADDRESS; each runs the same sweep), and TensorFlow, which reads the
-    catalog tasks (TFDS), kept off the accelerators that JAX needs."""
-    hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
-    if os.environ.get("JAX_COORDINATOR_ADDRESS") or len(hosts) > 1:
-        import jax
-
-        jax.distributed.initialize()
-    if all(t in LOCAL_FILES for t in tasks):
-        return  # no TFDS, no TensorFlow (its import alone takes seconds)
-    try:
-        import tensorflow as tf
-
-        tf.config.set_visible_devices([], "GPU")
-        tf.config.set_visible_devices([], "TPU")
-    except (ImportError, RuntimeError, ValueError):  # no TF, or a device type it lacks
-        pass
+    """What albert_jax.main does first: `jax.distributed.initialize()` when several processes
+    take part (each runs the same sweep), and TensorFlow, which reads the catalog tasks
+    (TFDS), kept off the accelerators that JAX needs."""
+    process_setup.initialize_distributed()
+    if not all(t in LOCAL_FILES for t in tasks):  # no TFDS, no TensorFlow (its import: seconds)
+        process_setup.hide_accelerators_from_tensorflow()
 
 
 def run() -> None:

@@ -14,12 +14,13 @@ the same command again resumes.
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from albert_jax import process_setup
 
 FLAGS = flags.FLAGS
 
@@ -38,49 +39,20 @@ flags.DEFINE_integer("process_id", None, "This process's index in a multi-host r
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def _tpu_pod_environment() -> bool:
-    """True on a multi-host TPU slice (the TPU runtime lists more than one worker)."""
-    hostnames = os.environ.get("TPU_WORKER_HOSTNAMES", "")
-    return len([h for h in hostnames.split(",") if h.strip()]) > 1 or bool(
-        os.environ.get("MEGASCALE_COORDINATOR_ADDRESS")
-    )
-
-
 def initialize_distributed() -> bool:
-    """Calls `jax.distributed.initialize` when several processes take part; returns whether it
-    did. Single-host runs skip it (it would only add a coordinator to wait for)."""
-    import jax
-
-    if FLAGS.coordinator_address or FLAGS.num_processes or FLAGS.process_id is not None:
-        if None in (FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id):
-            raise app.UsageError(
-                "--coordinator_address, --num_processes and --process_id go together"
-            )
-        jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-        return True
-    if os.environ.get("JAX_COORDINATOR_ADDRESS") or _tpu_pod_environment():
-        jax.distributed.initialize()  # arguments come from the environment / TPU metadata
-        return True
-    return False
-
-
-def hide_accelerators_from_tensorflow() -> None:
-    """TensorFlow only reads data here (TFDS); it must not grab GPU memory that JAX needs."""
+    """`process_setup.initialize_distributed` with this CLI's flags."""
     try:
-        import tensorflow as tf
-    except ImportError:
-        return
-    try:
-        tf.config.set_visible_devices([], "GPU")
-        tf.config.set_visible_devices([], "TPU")
-    except (RuntimeError, ValueError):  # already initialized, or no such device type
-        pass
+        return process_setup.initialize_distributed(
+            FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id
+        )
+    except ValueError as e:
+        raise app.UsageError(str(e)) from e
 
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    hide_accelerators_from_tensorflow()
+    process_setup.hide_accelerators_from_tensorflow()
     initialize_distributed()
     import jax
 
