@@ -60,7 +60,12 @@ RUNTIME_FIELDS = (
     "param_dtype",
     "remat_policy",
     "scan_layers",
+    "attention_impl",
 )
+# How attention is computed: "xla" our einsums (any backend, attention-probs dropout);
+# "dot_product" `jax.nn.dot_product_attention`, which picks the backend's best (XLA, or cuDNN's
+# fused kernel where it applies); "cudnn" that fused kernel or an error (GPU only).
+ATTENTION_IMPLS = ("xla", "dot_product", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +103,7 @@ class ModelConfig:
     remat_policy: str = "none"
     dtype: str = "float32"
     param_dtype: str = "float32"
+    attention_impl: str = "xla"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -137,6 +143,7 @@ class ModelConfig:
             ("remat_policy", REMAT_POLICIES),
             ("dtype", DTYPES),
             ("param_dtype", DTYPES),
+            ("attention_impl", ATTENTION_IMPLS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(
@@ -146,6 +153,12 @@ class ModelConfig:
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"ModelConfig.{name} must be in [0, 1), got {p}")
+        if self.attention_impl != "xla" and self.attention_probs_dropout_prob > 0:
+            raise ValueError(
+                f"ModelConfig.attention_impl={self.attention_impl!r} has no dropout on the "
+                "attention probabilities: set attention_probs_dropout_prob=0 (ALBERT's presets "
+                "do) or attention_impl='xla'"
+            )
         if self.initializer_range <= 0:
             raise ValueError("ModelConfig.initializer_range must be > 0")
         if self.layer_norm_eps <= 0:

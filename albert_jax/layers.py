@@ -220,6 +220,26 @@ class FactorizedEmbedding(nn.Module):
         return jnp.einsum("...e,ve->...v", x.astype(self.config.compute_dtype), table)
 
 
+def fused_attention(q: Array, k: Array, v: Array, mask: Array, impl: str) -> Array:
+    """`jax.nn.dot_product_attention` of q [B,N,Q,D], k and v [B,N,S,D] under the padding mask
+    [B,1,1,S] (True = attend) -> context [B,Q,N,D]; `impl` "cudnn" asks for cuDNN's fused
+    kernel, "dot_product" lets JAX choose.
+
+    Raises:
+      ValueError: naming `model.attention_impl` when the backend has no such kernel (checked
+        while tracing, before anything compiles).
+    """
+    if impl == "cudnn" and jax.default_backend() != "gpu":
+        raise ValueError(
+            f"model.attention_impl='cudnn' needs a GPU; this backend is "
+            f"{jax.default_backend()!r}: use 'xla' or 'dot_product'"
+        )
+    q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))  # its layout: [B, T, N, D]
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask, implementation="cudnn" if impl == "cudnn" else None
+    )
+
+
 class SelfAttention(nn.Module):
     """Multi-head self-attention + output projection + residual + post-LayerNorm.
 
@@ -279,12 +299,15 @@ class SelfAttention(nn.Module):
             checkpoint_name(t, f"{name}_proj")
             for t, name in zip((q, k, v), ("query", "key", "value"), strict=True)
         )
-        scores = jnp.einsum("bnqd,bnkd->bnqk", q, k) / jnp.sqrt(D).astype(q.dtype)
-        scores = jnp.where(mask, scores, jnp.asarray(MASK_ADDER, scores.dtype))
-        probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
-        if not deterministic and cfg.attention_probs_dropout_prob > 0.0:
-            probs = nn.Dropout(cfg.attention_probs_dropout_prob)(probs, deterministic=False)
-        context = jnp.einsum("bnqk,bnkd->bqnd", probs, v)  # [B, S (or Q), N, D]
+        if cfg.attention_impl == "xla":
+            scores = jnp.einsum("bnqd,bnkd->bnqk", q, k) / jnp.sqrt(D).astype(q.dtype)
+            scores = jnp.where(mask, scores, jnp.asarray(MASK_ADDER, scores.dtype))
+            probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+            if not deterministic and cfg.attention_probs_dropout_prob > 0.0:
+                probs = nn.Dropout(cfg.attention_probs_dropout_prob)(probs, deterministic=False)
+            context = jnp.einsum("bnqk,bnkd->bqnd", probs, v)  # [B, S (or Q), N, D]
+        else:
+            context = fused_attention(q, k, v, mask, cfg.attention_impl)
         out = Dense((N, D), (H,), ("heads", "kv", "embed"), cfg, self.stack, name="output")
         out = checkpoint_name(out(context, layer_idx), "attention_out")
         out = nn.Dropout(cfg.hidden_dropout_prob)(out, deterministic=deterministic)

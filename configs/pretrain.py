@@ -59,6 +59,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # scan no longer stacks every elementwise intermediate. "full" is the memory lever.
     c.model.remat_policy = "dots"
     c.model.scan_layers = True  # nn.scan over layers (compile time independent of depth)
+    c.model.attention_impl = "xla"  # xla (einsums) | dot_product (JAX picks) | cudnn (GPU)
     # The official config's remaining fields, so that every one can be set on the command line.
     c.model.num_hidden_groups = preset.num_hidden_groups  # G: layers split into G param groups
     c.model.inner_group_num = preset.inner_group_num  # blocks per group, run in order
