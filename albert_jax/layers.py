@@ -67,6 +67,28 @@ def select_layer(w: Array, stack: int | None, layer_idx: Array | int | None) -> 
     return jnp.asarray(w)[layer_idx]
 
 
+@jax.custom_vjp
+def add_bias(y: Array, bias: Array) -> Array:
+    """y + bias in y's (compute) dtype, bias [*] broadcast against y's trailing dims; its
+    gradient is summed over the broadcast rows in float32. (Cast first and added in bfloat16,
+    the bias gradient would be a bfloat16 sum over every row of the batch: B·S terms.)"""
+    return y + bias.astype(y.dtype)
+
+
+def _add_bias_fwd(y: Array, bias: Array) -> tuple[Array, Array]:
+    return add_bias(y, bias), bias
+
+
+def _add_bias_bwd(bias: Array, g: Array) -> tuple[Array, Array]:
+    lead = g.ndim - bias.ndim
+    db = jnp.sum(g.astype(jnp.float32), axis=tuple(range(lead)))
+    spread = tuple(i for i, n in enumerate(bias.shape) if n == 1 and db.shape[i] != 1)
+    return g, jnp.sum(db, axis=spread, keepdims=True).astype(bias.dtype)
+
+
+add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
+
+
 class Dense(nn.Module):
     """y = x . W + b, contracting the last `len(in_shape)` dims of x.
 
@@ -83,8 +105,9 @@ class Dense(nn.Module):
 
     @nn.compact
     def weights(self, layer_idx: Array | int | None = None) -> tuple[Array, Array | None]:
-        """(kernel [*in_shape, *out_shape], bias [*out_shape] or None) of this layer, in the
-        compute dtype. Callers that fuse several projections into one matmul use this."""
+        """(kernel [*in_shape, *out_shape] in the compute dtype, bias [*out_shape] in the
+        parameter dtype, to be added with `add_bias`) of this layer. Callers that fuse several
+        projections into one matmul use this."""
         cfg = self.config
         n_in = len(self.in_shape)
         kernel = stacked_param(
@@ -108,7 +131,7 @@ class Dense(nn.Module):
             self.stack,
             cfg.weight_dtype,
         )
-        return kernel, select_layer(bias, self.stack, layer_idx).astype(cfg.compute_dtype)
+        return kernel, select_layer(bias, self.stack, layer_idx)
 
     def __call__(self, x: Array, layer_idx: Array | int | None = None) -> Array:
         """x [..., *in_shape] -> [..., *out_shape], as one [rows, K] . [K, N] matmul."""
@@ -125,7 +148,7 @@ class Dense(nn.Module):
         # step was 6-11% slower. (The fused Q/K/V einsum in SelfAttention showed no such gain.)
         y = x.astype(kernel.dtype).reshape(-1, k) @ kernel.reshape(k, n)
         y = y.reshape(*lead, *self.out_shape)
-        return y if bias is None else y + bias
+        return y if bias is None else add_bias(y, bias)
 
 
 class LayerNorm(nn.Module):
@@ -285,7 +308,7 @@ class SelfAttention(nn.Module):
         def project(h: Array, which: slice) -> list[Array]:
             """h [B,T,H] -> the [B,N,T,D] projections `which` of (query, key, value)."""
             out = jnp.einsum("bsh,hcnd->cbnsd", h.astype(cfg.compute_dtype), kernel[:, which])
-            return list(out + bias[which])
+            return list(add_bias(out, bias[which]))
 
         if query_positions is None:
             q, k, v = project(x, slice(0, 3))
