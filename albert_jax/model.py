@@ -32,6 +32,7 @@ from albert_jax.layers import (
     LayerNorm,
     SelfAttention,
     activation,
+    add_bias,
     gather_positions,
 )
 
@@ -271,7 +272,8 @@ class MaskedLMHead(nn.Module):
             (cfg.vocab_size,),
             cfg.weight_dtype,
         )
-        return embeddings.attend(h) + bias.astype(cfg.compute_dtype)
+        # The bias gradient sums every masked position of the batch: in float32 (add_bias).
+        return add_bias(embeddings.attend(h), bias)
 
 
 class SentenceOrderHead(nn.Module):
