@@ -1,0 +1,143 @@
+"""N fine-tuning seeds in one program (`config.num_seeds`) against N separate runs.
+
+`python benchmarks/finetune_seeds.py --json [--size=tiny|base] [--steps=100]` prints one JSON
+line. The same config (configs/finetune.py:task=sentiment_rt from scratch, the `--size`
+preset, batch 32, max_seq_length 128, length buckets on) run two ways:
+
+- `seeds4_step_over_sequential`: N x the median step time of the one-seed program over the
+  median step time of the N-seed program (the same steps' batches, interleaved one step each,
+  after the buckets they use are compiled): throughput of the update alone.
+- `seeds4_over_sequential`: wall time of N complete one-seed runs (`finetune_and_evaluate`:
+  features, compilation, `--steps` updates, evaluation, checkpoint) over one N-seed run.
+
+`--tokenizer` gives a sentencepiece model; by default one is trained on the training sentences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+from absl import logging  # noqa: E402
+
+from albert_jax import finetune  # noqa: E402
+from albert_jax.finetune import FineTuning  # noqa: E402
+from albert_jax.finetune_config import validate_config  # noqa: E402
+from albert_jax.sharding import (  # noqa: E402
+    LOGICAL_AXIS_RULES,
+    batch_sharding,
+    create_mesh,
+    put_batch,
+)
+from albert_jax.train_config import mesh_layout  # noqa: E402
+from albert_jax.train_state import create_state, make_step  # noqa: E402
+from configs import finetune as finetune_configs  # noqa: E402
+from configs import pretrain  # noqa: E402
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared")
+TASK_DIR = os.path.join(DATA, "data", "tasks", "sentiment_rt")
+
+
+def make_config(args: argparse.Namespace, tokenizer: str, num_seeds: int, seed: int = 0) -> Any:
+    c = finetune_configs.get_config("task=sentiment_rt,init=")
+    c.size, c.seed, c.num_seeds = args.size, seed, num_seeds
+    c.data.train_files = os.path.join(TASK_DIR, "train.jsonl.gz")
+    c.data.eval_files = os.path.join(TASK_DIR, "dev.jsonl.gz")
+    c.data.tokenizer, c.data.max_eval_examples = tokenizer, args.eval_examples
+    c.max_seq_length, c.batch_size, c.num_train_steps = 128, 32, args.steps
+    c.log_every_steps = max(args.steps, 1)
+    return c
+
+
+class Program:
+    """The loop's update step (train_state.create_state / make_step, jitted with shardings and
+    the state donated) on a FineTuning objective's batches."""
+
+    def __init__(self, config: Any, workdir: str, mesh: Any):
+        self.objective = FineTuning(config, workdir, validate_config(config), mesh)
+        n = self.objective.num_seeds
+        layout = create_state(self.objective, mesh, int(config.seed), n)
+        self.state = layout.initialize(self.objective.initial_weights({}))
+        self.sharding = batch_sharding(mesh)
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        step = make_step(self.objective.loss, layout.tx, microbatches=1, seed=0, num_seeds=n)
+        self.step_fn = jax.jit(
+            step,
+            in_shardings=(layout.shardings, self.sharding),
+            out_shardings=(layout.shardings, replicated),
+            donate_argnums=0,
+        )
+
+    def step(self, s: int) -> None:
+        batch = put_batch(self.objective.next_batch(s), self.sharding, self.objective.global_batch)
+        self.state, metrics = self.step_fn(self.state, batch)
+        jax.block_until_ready(metrics["loss"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON line")
+    parser.add_argument("--size", default="tiny", choices=pretrain.SIZES)
+    parser.add_argument("--num_seeds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=100, help="updates of each full run")
+    parser.add_argument("--rounds", type=int, default=6, help="timed steps of each program")
+    parser.add_argument("--eval_examples", type=int, default=256)
+    parser.add_argument("--tokenizer", default="", help="sentencepiece model (default: train)")
+    args = parser.parse_args()
+    logging.set_verbosity(logging.WARNING)
+    n = args.num_seeds
+    result: dict[str, Any] = {"benchmark": "finetune_seeds", "size": args.size, "num_seeds": n,
+                              "steps": args.steps, "backend": jax.default_backend(),
+                              "devices": len(jax.devices())}  # fmt: skip
+    with tempfile.TemporaryDirectory() as workdir:
+        tokenizer = args.tokenizer
+        if not tokenizer:
+            from albert_jax.data.tokenizer import train_tokenizer
+
+            with gzip.open(os.path.join(TASK_DIR, "train.jsonl.gz"), "rt") as f:
+                texts = [json.loads(line)["sentence"] for line in f if line.strip()]
+            tokenizer = train_tokenizer(texts, workdir + "/spm", 8000, hard_vocab_limit=False)
+        mesh = create_mesh(*mesh_layout(make_config(args, tokenizer, 1)))
+        with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
+            one = Program(make_config(args, tokenizer, 1), workdir + "/one", mesh)
+            many = Program(make_config(args, tokenizer, n), workdir + "/many", mesh)
+            for s in range(1, 4):  # compiles the buckets of the first steps
+                one.step(s)
+                many.step(s)
+            times: dict[str, list[float]] = {"one": [], "many": []}
+            for s in range(4, 4 + args.rounds):
+                for name, program in (("one", one), ("many", many)):
+                    start = time.perf_counter()
+                    program.step(s)
+                    times[name].append(time.perf_counter() - start)
+        one_s, many_s = (statistics.median(times[k]) for k in ("one", "many"))
+        result.update(one_seed_step_s=round(one_s, 4), seeds_step_s=round(many_s, 4))
+        result[f"seeds{n}_step_over_sequential"] = round(n * one_s / many_s, 3)
+        start = time.perf_counter()
+        finetune.finetune_and_evaluate(make_config(args, tokenizer, n), workdir + "/run_many")
+        many_run = time.perf_counter() - start
+        start = time.perf_counter()
+        for i in range(n):
+            finetune.finetune_and_evaluate(
+                make_config(args, tokenizer, 1, seed=i), workdir + f"/run_one_{i}"
+            )
+        sequential = time.perf_counter() - start
+        result.update(seeds_run_s=round(many_run, 1), sequential_runs_s=round(sequential, 1))
+        result[f"seeds{n}_over_sequential"] = round(sequential / many_run, 3)
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2), flush=True)
+
+
+if __name__ == "__main__":
+    main()
