@@ -91,8 +91,9 @@ class AlbertForSequenceClassification(nn.Module):
         deterministic: bool = True,
     ) -> Array:
         """input_ids [B,S] -> logits [B, num_labels] float32."""
-        pooled = self.albert(input_ids, segment_ids, input_mask, deterministic)["pooled_output"]
-        pooled = self.dropout(pooled, deterministic=deterministic)
+        # pooled_only: the last layer runs at [CLS] only, the one row the head reads.
+        pooled = self.albert(input_ids, segment_ids, input_mask, deterministic, pooled_only=True)
+        pooled = self.dropout(pooled["pooled_output"], deterministic=deterministic)
         return self.classifier(pooled).astype(jnp.float32)
 
 
@@ -296,7 +297,9 @@ class AlbertForMultipleChoice(nn.Module):
             raise ValueError(f"input_ids must be [B, C, S], got shape {input_ids.shape}")
         b, c, s = input_ids.shape
         flat = lambda x: None if x is None else x.reshape(b * c, s)
-        pooled = self.albert(flat(input_ids), flat(segment_ids), flat(input_mask), deterministic)
+        pooled = self.albert(
+            flat(input_ids), flat(segment_ids), flat(input_mask), deterministic, pooled_only=True
+        )
         pooled = self.dropout(pooled["pooled_output"], deterministic=deterministic)
         logits = self.classifier(pooled).astype(jnp.float32).reshape(b, c)
         if option_mask is not None:

@@ -226,26 +226,38 @@ class AlbertModel(nn.Module):
         input_mask: Array | None = None,
         deterministic: bool = True,
         output_positions: Array | None = None,
+        pooled_only: bool = False,
     ) -> dict[str, Array]:
         """input_ids [B,S] -> {"sequence_output" [B,S,H], "pooled_output" [B,H]}.
 
         With `output_positions` [B,Q] int, the last layer runs only at [CLS] (for the pooler)
         and these positions, and "gathered_output" [B,Q,H] (the rows of the full
         sequence_output at output_positions) replaces "sequence_output".
+
+        `pooled_only=True` (classification and multiple-choice heads, which read nothing else):
+        the last layer runs only at [CLS], and only "pooled_output" is returned. The same
+        pooled vector, for 1/L less of the encoder's work at L layers: of the last
+        application only the key and value projections run at every position (1/6 of its
+        matmul FLOPs at ALBERT's 4H FFN).
         """
         if segment_ids is None:
             segment_ids = jnp.zeros_like(input_ids)
         if input_mask is None:
             input_mask = jnp.ones_like(input_ids)
+        if pooled_only:
+            if output_positions is not None:
+                raise ValueError("pooled_only=True reads no output_positions")
+            output_positions = jnp.zeros((input_ids.shape[0], 0), jnp.int32)
         x = self.embeddings(input_ids, segment_ids, deterministic)
         if output_positions is None:
             sequence_output = self.encoder(x, input_mask, deterministic)
             cls, outputs = sequence_output[:, 0], {"sequence_output": sequence_output}
         else:
             positions = output_positions.astype(jnp.int32)
-            cls_first = jnp.concatenate([jnp.zeros_like(positions[:, :1]), positions], axis=1)
+            cls_position = jnp.zeros((positions.shape[0], 1), jnp.int32)  # also when Q = 0
+            cls_first = jnp.concatenate([cls_position, positions], axis=1)
             rows = self.encoder(x, input_mask, deterministic, cls_first)  # [B,1+Q,H]
-            cls, outputs = rows[:, 0], {"gathered_output": rows[:, 1:]}
+            cls, outputs = rows[:, 0], {} if pooled_only else {"gathered_output": rows[:, 1:]}
         return {**outputs, "pooled_output": jnp.tanh(self.pooler(cls))}
 
 

@@ -24,7 +24,7 @@ from albert_jax.heads import (
     span_loss,
     squad_v2_loss,
 )
-from albert_jax.model import AlbertForPreTraining, init_params
+from albert_jax.model import AlbertForPreTraining, AlbertModel, init_params
 from albert_jax.tasks import glue, local, race, squad
 from albert_jax.tasks.batching import eval_batches, train_batch
 from albert_jax.tasks.classification import classification_features, truncate_pair
@@ -81,6 +81,41 @@ def test_classification_head_shapes_tree_and_dropout():
         variables, ids, seg, mask, deterministic=False, rngs={"dropout": jax.random.key(3)}
     )
     assert float(jnp.abs(dropped - logits).max()) > 0  # classifier dropout is active
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(),
+        dict(scan_layers=False),
+        dict(num_hidden_layers=1),  # the split-off [CLS] application is the only one
+        dict(num_hidden_groups=2, sharing="none", remat_policy="dots"),
+        dict(inner_group_num=2, sharing="ffn", scan_layers=False),
+    ],
+)
+def test_classification_runs_its_last_layer_at_cls_only(overrides):
+    """The classification head reads only [CLS], so its backbone runs the last layer there
+    only (`pooled_only`): the logits and gradients of the full last layer."""
+    cfg = CFG.replace(**overrides)
+    ids, seg, mask = _inputs(batch=3, real=9)
+    model = AlbertForSequenceClassification(cfg, num_labels=3)
+    params = _unboxed(model.init(jax.random.key(0), ids, seg, mask))["params"]
+
+    def full_logits(p):  # every layer at every position, then [CLS]
+        out = AlbertModel(cfg).apply({"params": p["albert"]}, ids, seg, mask)
+        assert "sequence_output" in out
+        return out["pooled_output"] @ p["classifier"]["kernel"] + p["classifier"]["bias"]
+
+    head_logits = lambda p: model.apply({"params": p}, ids, seg, mask)  # noqa: E731
+    np.testing.assert_allclose(head_logits(params), full_logits(params), atol=1e-5)
+    loss = lambda f: lambda p: jnp.sum(f(p) ** 2)  # noqa: E731
+    full, cls_only = jax.grad(loss(full_logits))(params), jax.grad(loss(head_logits))(params)
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(full), jax.tree.leaves(cls_only), strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(path))
+    pooled = AlbertModel(cfg).apply({"params": params["albert"]}, ids, seg, mask, pooled_only=True)
+    assert set(pooled) == {"pooled_output"}
 
 
 def test_span_head_masks_padding():
