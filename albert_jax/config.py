@@ -223,6 +223,39 @@ class ModelConfig:
             if name not in RUNTIME_FIELDS and saved.get(name, defaults[name]) != value
         ]
 
+    def with_depth(self, num_hidden_layers: int) -> ModelConfig:
+        """This model run `num_hidden_layers` times instead (the paper's Table 2 / Fig. 2 depth
+        question): the same weights, only the number of layer applications changes.
+
+        Only weights that do not depend on the depth allow it: `sharing="all"`, where each
+        group's blocks serve every layer of the group (no layer axis in the parameter tree).
+        The layers still split evenly into the checkpoint's `num_hidden_groups` groups.
+
+        Raises:
+          ValueError: naming model.num_hidden_layers, when the model keeps weights per layer
+            (sharing != "all") or the depth is not a positive multiple of num_hidden_groups.
+        """
+        n, groups = num_hidden_layers, self.num_hidden_groups
+        if n == self.num_hidden_layers:
+            return self
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"model.num_hidden_layers must be a positive integer, got {n!r}")
+        if self.sharing != "all":
+            per_layer = {"none": "every sub-block", "attention": "the FFN", "ffn": "attention"}
+            raise ValueError(
+                f"model.num_hidden_layers={n}: this model (sharing={self.sharing!r}) keeps one "
+                f"weight set of {per_layer[self.sharing]} per layer, for its "
+                f"{self.num_hidden_layers} layers; only an all-shared model (sharing='all') runs "
+                f"at another depth. Keep model.num_hidden_layers={self.num_hidden_layers}"
+            )
+        if n % groups:
+            raise ValueError(
+                f"model.num_hidden_layers={n} must be a multiple of num_hidden_groups={groups}: "
+                f"each of the model's {groups} weight groups runs num_hidden_layers / "
+                f"num_hidden_groups consecutive layers (e.g. {groups * max(n // groups, 1)})"
+            )
+        return self.replace(num_hidden_layers=n)
+
     @classmethod
     def from_json(cls, path: str, **overrides: Any) -> ModelConfig:
         """Reads an official `albert_config.json` or an HF `config.json`.

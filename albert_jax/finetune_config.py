@@ -62,11 +62,13 @@ def validate_config(config: Any) -> TaskSpec:
             f"config.model has unknown fields {unknown}; known: {sorted(model_fields)}"
         )
     if config.init:
-        fixed = sorted(_keys(config.model) - set(RUNTIME_FIELDS))
+        # num_hidden_layers: an all-shared model runs at any depth (checked against the
+        # checkpoint's config in `model_config`, once it is read).
+        fixed = sorted(_keys(config.model) - set(RUNTIME_FIELDS) - {"num_hidden_layers"})
         if fixed:
             raise ValueError(
                 f"config.model.{fixed[0]} cannot change a pretrained model (init={config.init!r});"
-                f" only {RUNTIME_FIELDS} may be set"
+                f" only {RUNTIME_FIELDS} and num_hidden_layers (all-shared models) may be set"
             )
     for name in ("batch_size", "eval_batch_size", "max_seq_length", "log_every_steps", "num_seeds"):
         if int(config[name]) < 1:
@@ -85,9 +87,19 @@ def validate_config(config: Any) -> TaskSpec:
 def model_config(
     config: Any, pretrained_config: ModelConfig | None, vocab_size: int
 ) -> ModelConfig:
-    overrides = dict(config.model.to_dict() if hasattr(config.model, "to_dict") else config.model)
+    """The task model's config: the checkpoint's (at `config.model.num_hidden_layers` when set,
+    see `ModelConfig.with_depth`) with the runtime fields of `config.model`, else the `size`
+    preset with `config.model`.
+
+    Raises:
+      ValueError: a depth the checkpoint's weights cannot run at, a max_seq_length beyond the
+        model's positions, a tokenizer larger than the vocabulary.
+    """
+    model = config.model.to_dict() if hasattr(config.model, "to_dict") else config.model
+    overrides = {k: v for k, v in model.items() if v is not None}  # None: not set
     if pretrained_config is not None:
-        model_config = pretrained_config.replace(**overrides)
+        depth = overrides.pop("num_hidden_layers", pretrained_config.num_hidden_layers)
+        model_config = pretrained_config.with_depth(depth).replace(**overrides)
     else:
         overrides.setdefault("vocab_size", vocab_size)
         model_config = ModelConfig.preset(config.size, **overrides)

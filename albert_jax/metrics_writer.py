@@ -222,9 +222,16 @@ def plot_learning_curve(workdir: str, out_path: str | None = None) -> str | None
     ax_acc.grid(alpha=0.3)
     fig.suptitle(files.as_path(workdir).name)
     fig.tight_layout()
-    png = io.BytesIO()  # matplotlib writes local files only: render to memory, then upload
-    fig.savefig(png, format="png", dpi=100)
-    files.write_atomic(out_path, png.getvalue())
-    plt.close(fig)
+    write_figure(fig, out_path)
     logging.info("learning curve written to %s", out_path)
     return out_path
+
+
+def write_figure(fig: Any, path: str, dpi: int = 100) -> None:
+    """Writes a matplotlib figure as PNG to `path` (local or gs://) and closes it."""
+    import matplotlib.pyplot as plt
+
+    png = io.BytesIO()  # matplotlib writes local files only: render to memory, then upload
+    fig.savefig(png, format="png", dpi=dpi)
+    files.write_atomic(path, png.getvalue())
+    plt.close(fig)

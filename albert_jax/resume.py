@@ -110,25 +110,46 @@ def load_params_only(path: str, abstract: Mapping[str, Any]) -> dict[str, np.nda
     """{"a/b/c": host array} of another model's params (any layout `load_pretrained` reads)
     for every weight of `abstract` ({"a/b/c": ShapeDtypeStruct}, the model of this config).
 
+    An all-shared init fits a model of any depth (its weights have no layer axis: continued
+    pretraining at another `config.model.num_hidden_layers`); one with per-layer weights fits
+    only its own depth, and the error then says so.
+
     Raises:
       ValueError: a weight is missing or has another shape (all of them listed).
     """
     from albert_jax.pretrained import load_pretrained
 
-    loaded = trees.flatten(load_pretrained(path).params["params"])
+    pretrained = load_pretrained(path)
+    loaded = trees.flatten(pretrained.params["params"])
     problems = [f"missing {k}" for k in abstract if k not in loaded]
-    problems += [
-        f"{k}: checkpoint {tuple(loaded[k].shape)}, model {tuple(x.shape)}"
-        for k, x in abstract.items()
-        if k in loaded and tuple(loaded[k].shape) != tuple(x.shape)
-    ]
+    reshaped = [k for k, x in abstract.items() if k in loaded and loaded[k].shape != x.shape]
+    problems += [f"{k}: checkpoint {loaded[k].shape}, model {abstract[k].shape}" for k in reshaped]
     if problems:
         raise ValueError(
             f"config.init_from={path!r} does not fit the model of this config: "
+            + _depth_hint(pretrained.config, reshaped, loaded, abstract)
             + "; ".join(problems[:10])
             + (f" (+{len(problems) - 10} more)" if len(problems) > 10 else "")
         )
     return {k: np.asarray(loaded[k]) for k in abstract}
+
+
+def _depth_hint(
+    init_config: Any, reshaped: list[str], loaded: Mapping[str, Any], abstract: Mapping[str, Any]
+) -> str:
+    """What to change when the only difference is the layer axis of per-layer encoder weights
+    (a not-shared init at another depth), else ""."""
+    layer_axis_only = reshaped and all(
+        k.startswith("albert/encoder/") and loaded[k].shape[1:] == abstract[k].shape[1:]
+        for k in reshaped
+    )
+    if not layer_axis_only:
+        return ""
+    return (
+        f"the init keeps weights per layer (sharing={init_config.sharing!r}, "
+        f"num_hidden_layers={init_config.num_hidden_layers}), so config.model.num_hidden_layers "
+        "must stay at its depth (only an all-shared init runs at another depth); "
+    )
 
 
 def data_state_for_save(iterator: Any) -> dict[str, Any]:

@@ -66,6 +66,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Layers unrolled: base steps 6-11% faster on CPU than under nn.scan, same compile time.
     c.model.scan_layers = False  # (scan stacks every layer's residuals for the backward pass)
     c.model.attention_impl = "xla"  # xla (einsums) | dot_product (JAX picks) | cudnn (GPU)
+    # Layer applications; None: the checkpoint's (the size preset's without init). An
+    # all-shared checkpoint runs at any depth (ModelConfig.with_depth).
+    c.model.num_hidden_layers = ml_collections.FieldReference(None, field_type=int)
     c.classifier_dropout = 0.1  # dropout before the task head (official keep_prob 0.9)
 
     # --- data
