@@ -54,5 +54,9 @@ setup(
         # HF interop: PyTorch CPU build (install torch==2.13.0 first to avoid CUDA wheels).
         # transformers 4.x: v5 dropped load_tf_weights_in_albert and Flax ALBERT (our peers).
         "hf": ["torch>=2.4", "transformers>=4.46,<5", "safetensors>=0.4"],
+        # benchmarks/train_step.py's KerasHub peer (Keras 3 on JAX). Not in CI's install: its
+        # tensorflow-text requirement pulls the full `tensorflow` wheel on top of tensorflow-cpu.
+        # The peer only needs `pip install --no-deps keras-hub kagglehub kagglesdk`.
+        "peers": ["keras-hub>=0.32; python_version >= '3.11'"],
     },
 )

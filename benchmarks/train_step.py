@@ -1,4 +1,4 @@
-"""Training-step throughput and MFU: our jitted step vs HF Flax and HF PyTorch ALBERT.
+"""Training-step throughput and MFU: our jitted step vs HF Flax, HF PyTorch and KerasHub ALBERT.
 
 `python benchmarks/train_step.py --size=base --batch=8 --seq=128 --json` prints one JSON line.
 Every contender runs the same protocol in the same process: the official
@@ -17,6 +17,13 @@ interleaving spreads the drift of a shared machine over all of them, so same-run
   the loss then reads the masked ones), optax AdamW, one `jax.jit` with donated state.
 - hf_torch: transformers `AlbertForPreTraining` with `labels` = -100 outside the masked
   positions, `torch.optim.AdamW`, eval mode (no dropout), torch threads = CPU cores.
+- kerashub: keras-hub's `AlbertBackbone` + `MaskedLMHead` on the masked positions + a `Dense(2)`
+  SOP head, Keras 3 on the JAX backend, built from ours' model config (same parameter count:
+  `kerashub_params` = `ours_params`); `model.stateless_call(..., training=True)` inside one
+  `jax.jit` with the HF Flax peer's optax AdamW (`benchmarks/kerashub_peer.py`). Skipped, with a
+  note, when keras-hub is not installed (`pip install -e ".[peers]"`).
+
+`X_over_Y` = Y's median step time / X's median step time.
 
 MFU counts model FLOPs honestly (`albert_jax.flops`): every layer
 application, attention, the E→H projection, the MLM head on the predicted positions only, the
@@ -43,6 +50,9 @@ from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Keras picks its backend at its first import, which transformers may do before the KerasHub
+# peer is built: the peer is a JAX contender, so Keras must come up on JAX.
+os.environ.setdefault("KERAS_BACKEND", "jax")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import flax.linen as nn  # noqa: E402
@@ -55,6 +65,7 @@ from albert_jax import flops, train  # noqa: E402
 from albert_jax.config import ModelConfig  # noqa: E402
 from albert_jax.model import AlbertForPreTraining  # noqa: E402
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh  # noqa: E402
+from benchmarks import kerashub_peer  # noqa: E402
 from configs import pretrain  # noqa: E402
 
 LEARNING_RATE = 1e-4  # constant: the schedule does not change the work of a step
@@ -105,7 +116,8 @@ def time_interleaved(
     return times
 
 
-def ours(args: argparse.Namespace, batch: dict[str, Any], scan: bool) -> dict[str, Any]:
+def ours_config(args: argparse.Namespace, scan: bool = True) -> Any:
+    """The pretraining config ours runs: `size`'s, at the benchmark's shapes, AdamW."""
     config = pretrain.get_config(f"size={args.size}")
     config.batch_size = args.batch
     config.seq_len = args.seq
@@ -118,12 +130,18 @@ def ours(args: argparse.Namespace, batch: dict[str, Any], scan: bool) -> dict[st
         config.model.remat_policy = args.remat
     config.model.scan_layers = scan
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 1
+    return config
+
+
+def ours(args: argparse.Namespace, batch: dict[str, Any], scan: bool) -> dict[str, Any]:
+    config = ours_config(args, scan)
     model_config = train.model_config_from(config)
     model = AlbertForPreTraining(model_config)
     mesh = create_mesh((1, 1, 1), jax.devices()[:1])
     with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
         tx, _, shardings, initialize = train.create_train_state(config, model, mesh)
         state = initialize()
+        params = sum(int(x.size) for x in jax.tree.leaves(state.params))
         step_fn = jax.jit(
             train.make_train_step(config, model, tx),
             in_shardings=(shardings, None),
@@ -140,7 +158,7 @@ def ours(args: argparse.Namespace, batch: dict[str, Any], scan: bool) -> dict[st
         holder[0], metrics = compiled(holder[0], device_batch)
         jax.block_until_ready(metrics["loss"])
 
-    return dict(step=step, compile_s=compile_s)
+    return dict(step=step, compile_s=compile_s, compiled=compiled, params=params)
 
 
 def hf_config(args: argparse.Namespace) -> Any:
@@ -162,6 +180,36 @@ def hf_config(args: argparse.Namespace) -> Any:
     )
 
 
+def peer_adamw() -> optax.GradientTransformation:
+    """The JAX peers' AdamW: the hyper-parameters of ours and of the PyTorch peer."""
+    return optax.adamw(LEARNING_RATE, b1=0.9, b2=0.999, eps=1e-6, weight_decay=WEIGHT_DECAY)
+
+
+def peer_loss(mlm_logits: jax.Array, sop_logits: jax.Array, b: dict[str, Any]) -> jax.Array:
+    """MLM cross-entropy at the masked positions (logits [B, P, V]) + SOP cross-entropy."""
+    mlm = optax.softmax_cross_entropy_with_integer_labels(mlm_logits, b["masked_lm_ids"])
+    mlm = jnp.sum(mlm * b["masked_lm_weights"]) / jnp.sum(b["masked_lm_weights"])
+    sop = optax.softmax_cross_entropy_with_integer_labels(sop_logits, b["sentence_order_label"])
+    return mlm + jnp.mean(sop)
+
+
+def jitted_peer(train_step: Callable, state: Any, batch: dict[str, Any]) -> dict[str, Any]:
+    """A contender from a pure `train_step(state, batch) -> (state, loss)`: one `jax.jit` with
+    the state donated, compiled (timed) before the rounds."""
+    jitted = jax.jit(train_step, donate_argnums=(0,))
+    device_batch = jax.device_put(batch, jax.devices()[0])
+    start = time.perf_counter()
+    compiled = jitted.lower(state, device_batch).compile()
+    compile_s = time.perf_counter() - start
+    holder = [state]
+
+    def step() -> None:
+        holder[0], loss = compiled(holder[0], device_batch)
+        jax.block_until_ready(loss)
+
+    return dict(step=step, compile_s=compile_s, compiled=compiled)
+
+
 def hf_flax(args: argparse.Namespace, batch: dict[str, Any]) -> dict[str, Any] | None:
     try:
         from transformers import FlaxAlbertForPreTraining
@@ -169,9 +217,8 @@ def hf_flax(args: argparse.Namespace, batch: dict[str, Any]) -> dict[str, Any] |
         return None
     model = FlaxAlbertForPreTraining(hf_config(args), input_shape=(1, args.seq), seed=0)
     module = model.module
-    tx = optax.adamw(LEARNING_RATE, b1=0.9, b2=0.999, eps=1e-6, weight_decay=WEIGHT_DECAY)
+    tx = peer_adamw()
     params = model.params
-    state = (params, tx.init(params))
     position_ids = np.broadcast_to(np.arange(args.seq, dtype=np.int32), (args.batch, args.seq))
 
     def train_step(state, b):
@@ -190,29 +237,23 @@ def hf_flax(args: argparse.Namespace, batch: dict[str, Any]) -> dict[str, Any] |
             logits = jnp.take_along_axis(
                 out.prediction_logits, b["masked_lm_positions"][..., None], 1
             )
-            mlm = optax.softmax_cross_entropy_with_integer_labels(logits, b["masked_lm_ids"])
-            mlm = jnp.sum(mlm * b["masked_lm_weights"]) / jnp.sum(b["masked_lm_weights"])
-            sop = optax.softmax_cross_entropy_with_integer_labels(
-                out.sop_logits, b["sentence_order_label"]
-            )
-            return mlm + jnp.mean(sop)
+            return peer_loss(logits, out.sop_logits, b)
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
 
-    jitted = jax.jit(train_step, donate_argnums=(0,))
-    device_batch = jax.device_put(batch, jax.devices()[0])
-    start = time.perf_counter()
-    compiled = jitted.lower(state, device_batch).compile()
-    compile_s = time.perf_counter() - start
-    holder = [state]
+    return jitted_peer(train_step, (params, tx.init(params)), batch)
 
-    def step() -> None:
-        holder[0], loss = compiled(holder[0], device_batch)
-        jax.block_until_ready(loss)
 
-    return dict(step=step, compile_s=compile_s)
+def kerashub(args: argparse.Namespace, batch: dict[str, Any]) -> dict[str, Any] | None:
+    """KerasHub's `AlbertBackbone` + `MaskedLMHead` + SOP `Dense(2)` (`kerashub_peer.py`)."""
+    # Ours' model config, so both have the same parameters (`*_params` in the JSON).
+    model = kerashub_peer.build_model(train.model_config_from(ours_config(args)))
+    if model is None:
+        return None
+    train_step, state = kerashub_peer.make_train_step(model, peer_adamw(), peer_loss)
+    return dict(jitted_peer(train_step, state, batch), params=kerashub_peer.num_params(model))
 
 
 def torch_matmul_peak(size: int, repeats: int) -> float | None:
@@ -277,6 +318,7 @@ def main() -> None:
     )
     parser.add_argument("--peak_size", type=int, default=2048, help="square matmul for the peak")
     parser.add_argument("--no_hf", action="store_true", help="skip both HF peers")
+    parser.add_argument("--no_kerashub", action="store_true", help="skip the KerasHub peer")
     args = parser.parse_args()
 
     model_config = ModelConfig.preset(args.size)
@@ -296,6 +338,10 @@ def main() -> None:
             run = fn(args, batch)
             if run is not None:
                 runs[name] = run
+    if not args.no_kerashub:
+        run = kerashub(args, batch)
+        if run is not None:
+            runs["kerashub"] = run
     times = time_interleaved({k: r["step"] for k, r in runs.items()}, args.warmup, args.steps)
     peaks.append(flops.measure_cpu_matmul_peak.__wrapped__(args.peak_size, 5))
     peak = max(peaks)
@@ -325,8 +371,10 @@ def main() -> None:
         result[f"{name}_mfu"] = round(step_flops / median / peak, 3)
         if run["compile_s"]:
             result[f"{name}_compile_s"] = round(run["compile_s"], 1)
+        if "params" in run:
+            result[f"{name}_params"] = run["params"]
     for name in ("ours", "ours_unrolled"):
-        for peer in ("hf_flax", "hf_torch"):
+        for peer in ("hf_flax", "hf_torch", "kerashub"):
             if name in runs and peer in runs:
                 result[f"{name}_over_{peer}"] = round(
                     result[f"{name}_seq_per_s"] / result[f"{peer}_seq_per_s"], 3
