@@ -3,6 +3,14 @@
   python -m albert_jax.convert --from=hf --src=HF_DIR --dst=MODEL_DIR
   python -m albert_jax.convert --from=tf --src=OFFICIAL_DIR_OR_CKPT_PREFIX --dst=MODEL_DIR
   python -m albert_jax.convert --to=hf --src=MODEL_DIR_OR_WORKDIR_OR_STEP_DIR --dst=HF_DIR
+  python -m albert_jax.convert --unshare --src=ANY_CHECKPOINT --dst=MODEL_DIR
+  python -m albert_jax.convert --reshare --src=ANY_CHECKPOINT --dst=MODEL_DIR
+
+`--unshare` writes the same function as `sharing="none"` (each layer a copy of the block it
+ran); `--reshare` averages the layers of a not-shared checkpoint into one shared block (a
+research baseline; outputs change). Both print and write (`DST/unshare_report.json`,
+`DST/reshare_report.json`) how far the new model's outputs are from the source's (see
+`albert_jax.unshare`).
 
 Every path may be local or `gs://`. The work is done by the modules below this one, which
 import each other one way only (weight_names <- hf_checkpoint, tf1_checkpoint <- pretrained <-
@@ -12,6 +20,7 @@ convert):
   hf_checkpoint    HF state dicts <-> params; HF dirs read and written
   tf1_checkpoint   official TF1 checkpoints -> params
   pretrained       `load_pretrained` (any layout) and `save_model_dir`
+  unshare          `unshare` / `reshare` of the encoder's layers (pretrained <- unshare)
 
 Their public functions are re-exported here under the names this module has always had.
 Missing or mis-shaped tensors raise one `ValueError` listing all of them; extra tensors are
@@ -38,6 +47,7 @@ from albert_jax.pretrained import (
     save_model_dir,
 )
 from albert_jax.tf1_checkpoint import find_tf_checkpoint, tf_checkpoint_to_params
+from albert_jax.unshare import convert_sharing, reshare, unshare
 from albert_jax.weight_names import (
     OPTIONAL_PARTS,
     flatten_params,
@@ -61,6 +71,9 @@ __all__ = [
     "missing_parts",
     "flatten_params",
     "unflatten_params",
+    "unshare",
+    "reshare",
+    "convert_sharing",
     "main",
 ]
 
@@ -84,8 +97,23 @@ def _define_flags() -> None:
         "Export an albert_jax checkpoint (model dir, workdir or step dir) to an HF "
         "AlbertForPreTraining dir (config.json + model.safetensors).",
     )
+    flags.DEFINE_bool(
+        "unshare",
+        False,
+        "Write the checkpoint (any layout load_pretrained reads) as an albert_jax model dir with "
+        'sharing="none": each layer a copy of the block it ran (same outputs).',
+    )
+    flags.DEFINE_bool(
+        "reshare",
+        False,
+        'Average the layers of a not-shared checkpoint into one block (sharing="all"; outputs '
+        "change, the difference is printed and written to DST/reshare_report.json).",
+    )
     flags.DEFINE_string(
-        "src", None, "Source, local or gs://: a dir, or a TF checkpoint prefix for --from=tf."
+        "src",
+        None,
+        "Source, local or gs://: a dir, or a TF checkpoint prefix for --from=tf (--unshare / "
+        "--reshare: any layout load_pretrained reads).",
     )
     flags.DEFINE_string("dst", None, "Destination dir, local or gs:// (created).")
     flags.DEFINE_string(
@@ -109,9 +137,25 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     FLAGS = flags.FLAGS
     direction_from, direction_to = FLAGS["from"].value, FLAGS.to
-    if (direction_from is None) == (direction_to is None):
-        raise app.UsageError("give exactly one of --from=hf|tf or --to=hf")
+    given = [direction_from, direction_to, FLAGS.unshare or None, FLAGS.reshare or None]
+    if sum(d is not None for d in given) != 1:
+        raise app.UsageError("give exactly one of --from=hf|tf, --to=hf, --unshare or --reshare")
     src, dst, tokenizer = FLAGS.src, FLAGS.dst, FLAGS.tokenizer
+    if FLAGS.unshare or FLAGS.reshare:
+        direction = "unshare" if FLAGS.unshare else "reshare"
+        report = convert_sharing(src, dst, direction)
+        source, result = report["source"], report["result"]
+        describe = lambda c: (
+            f"sharing={c['sharing']!r}, {c['num_hidden_layers']} layers, "
+            f"{c['num_hidden_groups']} group(s), inner_group_num={c['inner_group_num']}, "
+            f"{c['parameters']:,} parameters"
+        )
+        print(f"{direction}: {describe(source)} -> {describe(result)}")
+        figures = ", ".join(f"{k} {v:.6g}" for k, v in report["output_difference"].items())
+        shape = "x".join(map(str, report["probe"]["input_ids"]))
+        print(f"outputs vs the source (fp32, probe batch {shape}): {figures}")
+        print(f"wrote albert_jax model dir to {dst}")
+        return
     if direction_to == "hf":
         loaded = load_pretrained(src)
         save_hf_checkpoint(
