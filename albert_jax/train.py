@@ -207,6 +207,7 @@ class Pretraining(PretrainingModel):
     # ----------------------------------------------------------------------------- per step
     def next_batch(self, step: int) -> dict[str, np.ndarray]:
         batch = next(self.iterator)
+        del batch["pair_kind"]  # for evaluation diagnostics: the step never reads it
         if step == self.nan_at:  # debugging hook: NaN weights make the MLM loss NaN
             weights = np.full_like(batch["masked_lm_weights"], np.nan)
             batch = {**batch, "masked_lm_weights": weights}
@@ -230,7 +231,7 @@ class Pretraining(PretrainingModel):
         for batch in self.placed_eval_batches:
             out = loop.eval_step(params, batch)
             sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
-        values = {k: float(v) for k, v in jax.device_get(sums).items()}
+        values = {k: np.asarray(v) for k, v in jax.device_get(sums).items()}
         return {**eval_metrics(values), **self.baselines}  # only what was measured
 
     def close(self) -> None:

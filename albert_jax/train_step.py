@@ -20,6 +20,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from albert_jax import flops, losses, optim, train_state
+from albert_jax.data.pretraining import PAIR_KINDS
 from albert_jax.model import AlbertForPreTraining, init_params
 
 PyTree = Any
@@ -146,14 +147,23 @@ def _label_log_probs(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return picked[..., 0]
 
 
-def make_eval_step(config: Any, model: AlbertForPreTraining) -> Callable:
+def make_eval_step(
+    config: Any, model: AlbertForPreTraining, *, sentence_order: bool | None = None
+) -> Callable:
     """(params, batch) → weighted sums over the batch, so that batches of any count (and
     padding rows, weight 0) combine exactly.
 
     `batch` is a training batch plus `example_weight [B] float32` (1 real, 0 padding); padding
-    rows have no MLM prediction either (`masked_lm_weights` 0).
+    rows have no MLM prediction either (`masked_lm_weights` 0). The SOP sums are split by label
+    (`sop_sequences_by_label`, `sop_correct_by_label` [2]) and, when the batch has `pair_kind`
+    [B], by the kind of pair (`sop_sequences_by_kind`, `sop_correct_by_kind` [K], K =
+    len(PAIR_KINDS)); a batch without it gives the totals only.
+
+    `sentence_order`: whether the SOP / NSP head is measured (default: when the objective has
+    one); the cross-evaluation of `analysis.sop_table` measures an MLM-only model's head too.
     """
-    sentence_order = config.objective != "none"
+    if sentence_order is None:
+        sentence_order = config.objective != "none"
 
     def eval_step(params: PyTree, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         outputs = model.apply(
@@ -176,24 +186,55 @@ def make_eval_step(config: Any, model: AlbertForPreTraining) -> Callable:
             sop_hit = jnp.argmax(outputs["sop_logits"], axis=-1) == labels
             sums["sop_loss"] = jnp.sum(jnp.where(example > 0, example * sop_nll, 0.0))
             sums["sop_correct"] = jnp.sum(jnp.where(sop_hit, example, 0.0))
+            splits = {"by_label": (labels, 2)}
+            if "pair_kind" in batch:
+                splits["by_kind"] = (batch["pair_kind"], len(PAIR_KINDS))
+            for name, (group, size) in splits.items():
+                # One-hot rows [B, size] weighted by `example`: padding (and a kind of -1)
+                # falls in no group.
+                member = jnp.where(group[:, None] == jnp.arange(size), example[:, None], 0.0)
+                sums[f"sop_sequences_{name}"] = jnp.sum(member, axis=0)
+                sums[f"sop_correct_{name}"] = jnp.sum(
+                    jnp.where(sop_hit[:, None], member, 0.0), axis=0
+                )
         return sums
 
     return eval_step
 
 
-def eval_metrics(sums: Mapping[str, float]) -> dict[str, float]:
-    """Means of the eval sums over what was really there: MLM metrics only if a token was
-    predicted, SOP metrics only if the objective has them (`sop_*` sums) and a sequence was
-    seen, `eval_loss` only when every term of the objective was measured. A set that is all
-    padding gives {}: no metric is ever reported from padding alone."""
+# Names of the SOP label split (index = label) in the eval metrics.
+LABEL_SPLITS = ("label_0", "label_1")
+
+
+def eval_metrics(sums: Mapping[str, Any]) -> dict[str, float]:
+    """Means of the eval sums (scalars; the split sums [2] / [K]) over what was really there:
+    MLM metrics only if a token was predicted, SOP metrics only if the objective has them
+    (`sop_*` sums) and a sequence was seen, `eval_loss` only when every term of the objective
+    was measured. A set that is all padding gives {}: no metric is ever reported from padding
+    alone.
+
+    The SOP accuracy is also split, from counts (never a mean of means):
+    `eval_sop_accuracy_label_0` / `_label_1` and `eval_sop_accuracy_<kind>` for each kind of
+    `PAIR_KINDS`, each with its number of sequences `eval_sop_sequences_<split>`, only for the
+    splits that have sequences.
+    """
     metrics = {}
     if sums["predictions"] > 0:
-        metrics["eval_mlm_loss"] = sums["mlm_loss"] / sums["predictions"]
-        metrics["eval_mlm_accuracy"] = sums["mlm_correct"] / sums["predictions"]
+        metrics["eval_mlm_loss"] = float(sums["mlm_loss"] / sums["predictions"])
+        metrics["eval_mlm_accuracy"] = float(sums["mlm_correct"] / sums["predictions"])
     has_sop = "sop_loss" in sums
     if has_sop and sums["sequences"] > 0:
-        metrics["eval_sop_loss"] = sums["sop_loss"] / sums["sequences"]
-        metrics["eval_sop_accuracy"] = sums["sop_correct"] / sums["sequences"]
+        metrics["eval_sop_loss"] = float(sums["sop_loss"] / sums["sequences"])
+        metrics["eval_sop_accuracy"] = float(sums["sop_correct"] / sums["sequences"])
+        for key, names in (("by_label", LABEL_SPLITS), ("by_kind", PAIR_KINDS)):
+            if f"sop_sequences_{key}" not in sums:  # e.g. batches without `pair_kind`
+                continue
+            seen = np.asarray(sums[f"sop_sequences_{key}"], np.float64)
+            correct = np.asarray(sums[f"sop_correct_{key}"], np.float64)
+            for name, n, c in zip(names, seen.tolist(), correct.tolist(), strict=True):
+                if n > 0:
+                    metrics[f"eval_sop_accuracy_{name}"] = c / n
+                    metrics[f"eval_sop_sequences_{name}"] = n
     if "eval_mlm_loss" in metrics and (not has_sop or "eval_sop_loss" in metrics):
         metrics["eval_loss"] = metrics["eval_mlm_loss"] + metrics.get("eval_sop_loss", 0.0)
     return metrics

@@ -246,7 +246,8 @@ def padding_batch(
     batch_size: int, seq_len: int, max_predictions_per_seq: int, cls_id: int
 ) -> dict[str, np.ndarray]:
     """A batch of `batch_size` padding rows: a lone [CLS] (so attention has a key), no
-    prediction (`masked_lm_weights` 0) and `example_weight` 0, in the batch contract's dtypes."""
+    prediction (`masked_lm_weights` 0), `pair_kind` -1 (no kind of `pretraining.PAIR_KINDS`)
+    and `example_weight` 0, in the batch contract's dtypes."""
     B, S, P = batch_size, seq_len, max_predictions_per_seq
     input_ids = np.zeros((B, S), np.int32)
     input_ids[:, 0] = cls_id
@@ -260,6 +261,7 @@ def padding_batch(
         "masked_lm_ids": np.zeros((B, P), np.int32),
         "masked_lm_weights": np.zeros((B, P), np.float32),
         "sentence_order_label": np.zeros((B,), np.int32),
+        "pair_kind": np.full((B,), -1, np.int32),
         "example_weight": np.zeros((B,), np.float32),
     }
 

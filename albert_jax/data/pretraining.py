@@ -64,6 +64,9 @@ OBJECTIVES = ("sop", "nsp", "none")
 A_LO, A_HI, B_LO, B_HI, LABEL, KIND = range(6)
 # KIND: how B was chosen. SPLIT_*: A and B are the two sides of one sentence cut in two.
 IN_ORDER, SWAPPED, RANDOM_B, SPLIT_IN_ORDER, SPLIT_SWAPPED = 0, 1, 2, 3, 4
+# The name of each KIND code (index = code), as the batch feature `pair_kind` and the split
+# evaluation metrics (`eval_sop_accuracy_<name>`) spell it.
+PAIR_KINDS = ("in_order", "swapped", "random_document", "split_in_order", "split_swapped")
 # What `create_instances(objective="sop")` does with a one-sentence chunk (module docstring).
 SINGLE_SEGMENT_MODES = ("split", "random_b")
 # Everything that is counted (dropped, repaired or truncated items included).
@@ -459,7 +462,9 @@ def build_batch(
     """Instance rows -> one fixed-shape batch (the batch contract of `albert_jax.data.pipeline`).
 
     Returns input_ids, segment_ids, input_mask [B,S] int32; masked_lm_positions,
-    masked_lm_ids [B,P] int32; masked_lm_weights [B,P] float32; sentence_order_label [B] int32.
+    masked_lm_ids [B,P] int32; masked_lm_weights [B,P] float32; sentence_order_label [B] int32;
+    pair_kind [B] int32 (how B was chosen: a code of `PAIR_KINDS`; for evaluation diagnostics,
+    training does not read it).
     """
     input_ids, segment_ids, lengths = assemble(
         corpora, source_index, rows, seq_len, cls_id=cls_id, sep_id=sep_id, pad_id=pad_id
@@ -484,4 +489,5 @@ def build_batch(
         "masked_lm_ids": masked.ids,
         "masked_lm_weights": masked.weights,
         "sentence_order_label": rows[:, LABEL].astype(np.int32),
+        "pair_kind": rows[:, KIND].astype(np.int32),
     }
