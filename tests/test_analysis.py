@@ -98,7 +98,8 @@ def test_layer_transitions_equal_hidden_states_computed_by_depth(shared_init, tm
     np.testing.assert_allclose(result["cosine"], cosine[:, real].mean(axis=1), rtol=1e-5)
 
     path = tmp_path / "fig2.png"
-    layer_transitions.plot({layer_transitions.label(result, config): result}, str(path))
+    figure = layer_transitions.plot({layer_transitions.label(result, config): result})
+    metrics_writer.write_figure(figure, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import matplotlib
 from absl import app, flags, logging
 
 from albert_jax import files, metrics_writer
@@ -88,12 +89,10 @@ def sweep(data: heldout.Heldout, layers: Sequence[int]) -> dict[str, Any]:
     return result
 
 
-def plot(result: dict[str, Any], path: str) -> None:
-    """Accuracies (left) and losses (right) against L' (log2 axis), the trained depth and the
-    most-frequent-token / majority-label baselines marked; PNG at `path` (local or gs://)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+def plot(result: dict[str, Any]) -> Any:
+    """The matplotlib figure of a `sweep` result: accuracies (left) and losses (right) against
+    L' (log2 axis), the trained depth and the most-frequent-token / majority-label baselines
+    marked."""
     import matplotlib.pyplot as plt
 
     layers = result["layers"]
@@ -123,7 +122,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax_loss.legend(fontsize=8)
     fig.suptitle(f"{files.as_path(result['init']).name}: trained at L={result['trained_layers']}")
     fig.tight_layout()
-    metrics_writer.write_figure(fig, path)
+    return fig
 
 
 def main(argv: list[str]) -> None:
@@ -137,7 +136,8 @@ def main(argv: list[str]) -> None:
     except ValueError as e:
         raise app.UsageError(str(e)) from e
     files.write_json(heldout.output_path(FLAGS.out, JSON_FILE), result, indent=1)
-    plot(result, heldout.output_path(FLAGS.out, PNG_FILE))
+    matplotlib.use("Agg")  # no display: the figure goes to a file
+    metrics_writer.write_figure(plot(result), heldout.output_path(FLAGS.out, PNG_FILE))
     if FLAGS.json:
         print(json.dumps(result))
     else:

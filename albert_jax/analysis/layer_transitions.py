@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import matplotlib
 import numpy as np
 from absl import app, flags
 
@@ -124,12 +125,9 @@ def measure(data: heldout.Heldout) -> dict[str, Any]:
     }
 
 
-def plot(results: Mapping[str, Mapping[str, Any]], path: str) -> None:
-    """Figure 2: L2 distance (left) and cosine similarity (right) against the layer, one line
-    per model of `results` ({label: `measure` record}); PNG at `path` (local or gs://)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+def plot(results: Mapping[str, Mapping[str, Any]]) -> Any:
+    """Figure 2 as a matplotlib figure: L2 distance (left) and cosine similarity (right)
+    against the layer, one line per model of `results` ({label: `measure` record})."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
@@ -146,7 +144,7 @@ def plot(results: Mapping[str, Mapping[str, Any]], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    metrics_writer.write_figure(fig, path)
+    return fig
 
 
 def label(result: Mapping[str, Any], config: ModelConfig) -> str:
@@ -164,7 +162,9 @@ def main(argv: list[str]) -> None:
     except ValueError as e:
         raise app.UsageError(str(e)) from e
     files.write_json(heldout.output_path(FLAGS.out, JSON_FILE), result, indent=1)
-    plot({label(result, data.pretrained.config): result}, heldout.output_path(FLAGS.out, PNG_FILE))
+    matplotlib.use("Agg")  # no display: the figure goes to a file
+    figure = plot({label(result, data.pretrained.config): result})
+    metrics_writer.write_figure(figure, heldout.output_path(FLAGS.out, PNG_FILE))
     if FLAGS.json:
         print(json.dumps(result))
     else:
