@@ -16,7 +16,6 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
-from test_model import TINY
 from test_train import SMALL_MODEL, losses_by_step, make_config, small_overrides
 
 from albert_jax import train
@@ -36,6 +35,9 @@ from albert_jax.unshare import (
 from albert_jax.weight_names import flatten_params as flatten
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# test_train's pretraining model (vocab of the corpus tokenizer) at 4 layers: every model here
+# has its sizes, so the op-by-op runs share their compiled primitives.
+TINY = {**SMALL_MODEL, "num_hidden_layers": 4}
 BLOCK = "albert/encoder/group_0/inner_group_0/"
 
 # The layouts unshare reads: all-shared, grouped, inner groups, attention- or FFN-only sharing.
@@ -115,12 +117,13 @@ def test_unshared_model_is_the_shared_function_bit_for_bit(name):
     for key in ref:
         np.testing.assert_array_equal(ours[key], ref[key], err_msg=key)
     assert np.abs(ref["mlm_logits"]).max() > 0.1  # not a degenerate model
-    # Compiled, the loop over loop-invariant shared weights and the one over per-layer slices
-    # are different XLA programs: fp32 rounding may differ in the last bits (the tolerance is
-    # ~10x what CPU shows: up to 1.4e-6 on the unit-scale hidden states).
-    ours = jit_outputs(unshared_params, unshared, batch)
-    for key, ref in jit_outputs(params, config, batch).items():
-        np.testing.assert_allclose(ours[key], ref, rtol=0, atol=1e-5, err_msg=key)
+    if name == "inner_groups":
+        # Compiled, the loop over loop-invariant shared weights and the one over per-layer
+        # slices are different XLA programs: fp32 rounding may differ in the last bits (up to
+        # 1.4e-6 on the unit-scale hidden states on CPU; bounded here with 10x room).
+        ours = jit_outputs(unshared_params, unshared, batch)
+        for key, ref in jit_outputs(params, config, batch).items():
+            np.testing.assert_allclose(ours[key], ref, rtol=0, atol=1e-5, err_msg=key)
 
 
 def test_reshare_averages_the_layers_and_the_outputs_change():
@@ -189,9 +192,10 @@ def test_cli_unshare_then_pretraining_continues_at_the_shared_loss(corpus, tmp_p
     loaded = load_pretrained(unshared_dir)
     assert loaded.config.sharing == "none" and loaded.tokenizer is not None
 
-    # A second unshare is refused, saying why.
-    again = run_convert("--unshare", f"--src={unshared_dir}", f"--dst={tmp_path / 'again'}")
-    assert again.returncode != 0 and "already unshared" in again.stderr
+    # A second unshare is refused, saying why, before anything is written.
+    with pytest.raises(ValueError, match="already unshared"):
+        convert_sharing(unshared_dir, str(tmp_path / "again"), "unshare")
+    assert not (tmp_path / "again").exists()
 
     overrides = small_overrides(
         corpus, num_train_steps=1, warmup_steps=0, checkpoint_every_steps=100
@@ -207,14 +211,11 @@ def test_cli_unshare_then_pretraining_continues_at_the_shared_loss(corpus, tmp_p
     # bits differently (see test_unshared_model_is_the_shared_function_bit_for_bit).
     assert losses["none"] == pytest.approx(losses["all"], rel=1e-6, abs=0)
 
+    # Reshare of the continued run's workdir (a training checkpoint; its layers moved apart
+    # in the update): a model dir, and the report says how far the outputs moved.
     resharded = tmp_path / "reshared"
-    done = run_convert("--reshare", f"--src={tmp_path / 'run_none'}", f"--dst={resharded}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads((resharded / REPORT_FILES["reshare"]).read_text())
+    report = convert_sharing(str(tmp_path / "run_none"), str(resharded), "reshare")
+    assert report == json.loads((resharded / REPORT_FILES["reshare"]).read_text())
     assert report["source"]["sharing"] == "none" and report["result"]["sharing"] == "all"
     assert report["output_difference"]["mlm_logits_max_abs_diff"] > 0
-    printed = (
-        f"mlm_logits_max_abs_diff {report['output_difference']['mlm_logits_max_abs_diff']:.6g}"
-    )
-    assert printed in done.stdout
     assert load_pretrained(str(resharded)).config.sharing == "all"
