@@ -60,7 +60,7 @@ from albert_jax.finetune_config import (
 )
 from albert_jax.loop import Loop
 from albert_jax.sharding import create_mesh, fetch, process_rows
-from albert_jax.tasks import registry
+from albert_jax.tasks import packing, registry
 from albert_jax.tasks.batching import (
     Features,
     bucket_lengths,
@@ -164,6 +164,12 @@ class FineTuning:
         }
         self.buckets = bucket_lengths(config.max_seq_length)
         self.lengths_seen: set[int] = set()  # length buckets compiled so far
+        self.packed_shapes: set[packing.PackPlan] = set()  # packed training shapes so far
+        self.packing = bool(config.pack_examples) and self.kind.packable
+        # Packed rows per seed: a multiple of the data shards and processes that split them,
+        # coarse enough (~batch/8) to bound the compiled shapes.
+        split = math.lcm(rows, jax.process_count())
+        self.row_granularity = split * max(1, int(config.batch_size) // (8 * split))
         self.report: dict[str, Any] | None = None  # InitReport.as_dict()
         self.results: dict[str, Any] = {}  # of the last evaluation
         self.predictions: dict[int, list[Any]] = {}  # {seed: [predictions of each eval set]}
@@ -271,10 +277,25 @@ class FineTuning:
 
     def next_batch(self, step: int) -> dict[str, np.ndarray]:
         rows = int(self.config.batch_size)
-        batch = seeds.interleave(
-            [train_batch(self.train_arrays, step - 1, rows, seed) for seed in self.seeds]
-        )
-        return process_rows(self._cut(batch))
+        batches = [train_batch(self.train_arrays, step - 1, rows, seed) for seed in self.seeds]
+        if self.packing:
+            return process_rows(seeds.interleave(self._pack(batches)))
+        return process_rows(self._cut(seeds.interleave(batches)))
+
+    def _pack(self, batches: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        """Each seed's batch packed (tasks/packing.py) into the step's one shape; each new
+        shape is logged with the count so far (bounded, see the module)."""
+        plan = packing.plan_packing(batches, self.config.max_seq_length, self.row_granularity)
+        if plan not in self.packed_shapes:
+            self.packed_shapes.add(plan)
+            tokens = sum(int(b["input_mask"].sum()) for b in batches)
+            logging.info(
+                "packed shape %d rows x %d tokens (%.0f%% real tokens): compiled shapes %d "
+                "(%s)", plan.rows, plan.row_length,
+                100 * tokens / (plan.rows * plan.row_length * len(batches)),
+                len(self.packed_shapes), sorted(self.packed_shapes),
+            )  # fmt: skip
+        return [packing.pack_batch(b, plan) for b in batches]
 
     def _cut(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The global batch cut to its length bucket (`config.length_buckets`); each new

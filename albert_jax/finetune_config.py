@@ -20,7 +20,7 @@ from albert_jax.tasks.registry import TaskSpec
 KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
     "": (
         "task", "init", "size", "model", "classifier_dropout", "data", "max_seq_length",
-        "length_buckets",
+        "length_buckets", "pack_examples",
         "max_qa_length", "max_query_length", "doc_stride", "max_answer_length", "n_best_size",
         "start_n_top", "end_n_top", "null_threshold", "optimizer", "learning_rate", "batch_size",
         "eval_batch_size", "num_train_steps", "num_train_epochs", "warmup_steps",

@@ -89,11 +89,25 @@ class AlbertForSequenceClassification(nn.Module):
         segment_ids: Array | None = None,
         input_mask: Array | None = None,
         deterministic: bool = True,
+        position_ids: Array | None = None,
+        pack_ids: Array | None = None,
+        cls_positions: Array | None = None,
+        cls_index: Array | None = None,
     ) -> Array:
-        """input_ids [B,S] -> logits [B, num_labels] float32."""
+        """input_ids [B,S] -> logits [B, num_labels] float32.
+
+        Packed rows (tasks/packing.py): input_ids, position_ids, pack_ids [R,S], cls_positions
+        [R,Q] and cls_index [B] -> logits [B, num_labels] of the B examples, in batch order.
+        """
         # pooled_only: the last layer runs at [CLS] only, the one row the head reads.
-        pooled = self.albert(input_ids, segment_ids, input_mask, deterministic, pooled_only=True)
-        pooled = self.dropout(pooled["pooled_output"], deterministic=deterministic)
+        pooled = self.albert(
+            input_ids, segment_ids, input_mask, deterministic, pooled_only=True,
+            position_ids=position_ids, pack_ids=pack_ids, cls_positions=cls_positions,
+        )["pooled_output"]  # fmt: skip
+        if cls_index is not None:  # [R,Q,H] -> the examples' [B,H], in the batch's order
+            pooled = jnp.take(pooled.reshape(-1, pooled.shape[-1]), cls_index, axis=0)
+        # Dropout on [B,H] in batch order: the same mask however the examples were packed.
+        pooled = self.dropout(pooled, deterministic=deterministic)
         return self.classifier(pooled).astype(jnp.float32)
 
 

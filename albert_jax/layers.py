@@ -221,8 +221,15 @@ class FactorizedEmbedding(nn.Module):
         self.LayerNorm = LayerNorm(cfg.embedding_size, "embed_factor", cfg)
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
 
-    def __call__(self, input_ids: Array, segment_ids: Array, deterministic: bool) -> Array:
-        """input_ids, segment_ids [B,S] int -> embeddings [B,S,E]."""
+    def __call__(
+        self,
+        input_ids: Array,
+        segment_ids: Array,
+        deterministic: bool,
+        position_ids: Array | None = None,
+    ) -> Array:
+        """input_ids, segment_ids [B,S] int -> embeddings [B,S,E]. Positions are 0..S-1, or
+        `position_ids` [B,S] (packed rows restart them for each example)."""
         cfg = self.config
         seq_len = input_ids.shape[-1]
         if seq_len > cfg.max_position_embeddings:
@@ -232,7 +239,10 @@ class FactorizedEmbedding(nn.Module):
             )
         x = jnp.take(self.word_embeddings, input_ids, axis=0)
         x = x + jnp.take(self.token_type_embeddings, segment_ids, axis=0)
-        x = x + self.position_embeddings[None, :seq_len]
+        if position_ids is None:
+            x = x + self.position_embeddings[None, :seq_len]
+        else:
+            x = x + jnp.take(self.position_embeddings, position_ids, axis=0)
         x = nn.with_logical_constraint(x, ("act_batch", "act_seq", "act_embed"))
         x = self.LayerNorm(x.astype(cfg.compute_dtype))
         return self.dropout(x, deterministic=deterministic)
@@ -244,9 +254,9 @@ class FactorizedEmbedding(nn.Module):
 
 
 def fused_attention(q: Array, k: Array, v: Array, mask: Array, impl: str) -> Array:
-    """`jax.nn.dot_product_attention` of q [B,N,Q,D], k and v [B,N,S,D] under the padding mask
-    [B,1,1,S] (True = attend) -> context [B,Q,N,D]; `impl` "cudnn" asks for cuDNN's fused
-    kernel, "dot_product" lets JAX choose.
+    """`jax.nn.dot_product_attention` of q [B,N,Q,D], k and v [B,N,S,D] under the mask
+    [B,1,1,S] or [B,1,Q,S] (True = attend) -> context [B,Q,N,D]; `impl` "cudnn" asks for
+    cuDNN's fused kernel, "dot_product" lets JAX choose.
 
     Raises:
       ValueError: naming `model.attention_impl` when the backend has no such kernel (checked
@@ -282,7 +292,8 @@ class SelfAttention(nn.Module):
         deterministic: bool,
         query_positions: Array | None = None,
     ) -> Array:
-        """x [B,S,H], mask [B,1,1,S] bool (True = attend) -> [B,S,H].
+        """x [B,S,H], mask [B,1,1,S] bool (True = attend; [B,1,S,S] per query, e.g. packed
+        rows) -> [B,S,H].
 
         With `query_positions` [B,Q] int, only those positions query (keys and values still
         cover all S): -> [B,Q,H], the same rows as the full output gathered at them.
@@ -318,6 +329,8 @@ class SelfAttention(nn.Module):
             k, v = project(x, slice(1, 3))
             x = gather_positions(x, query_positions)  # [B,Q,H]
             (q,) = project(x, slice(0, 1))
+            if mask.shape[2] > 1:  # a mask per query: keep the queried rows' [B,1,Q,S]
+                mask = jnp.take_along_axis(mask, query_positions[:, None, :, None], axis=2)
         q, k, v = (
             checkpoint_name(t, f"{name}_proj")
             for t, name in zip((q, k, v), ("query", "key", "value"), strict=True)

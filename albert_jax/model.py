@@ -155,9 +155,11 @@ class SharedEncoder(nn.Module):
         input_mask: Array,
         deterministic: bool,
         query_positions: Array | None = None,
+        pack_ids: Array | None = None,
     ) -> Array:
         """x [B,S,E], input_mask [B,S] (1 real, 0 pad) -> [B,S,H] (or [B,Q,H] at
-        `query_positions`)."""
+        `query_positions`). `pack_ids` [B,S] (packed rows: 1, 2, ... per example, 0 pad): a
+        token attends only to the tokens of its own example."""
         cfg = self.config
         if cfg.has_embedding_projection:
             project = Dense(
@@ -170,6 +172,8 @@ class SharedEncoder(nn.Module):
             x = project(x)
         x = nn.with_logical_constraint(x, ("act_batch", "act_seq", "act_embed"))
         mask = input_mask.astype(bool)[:, None, None, :]  # [B,1,1,S]: keys that may be attended
+        if pack_ids is not None:  # [B,1,S,S]: and only those of the query's own example
+            mask = mask & (pack_ids[:, None, :, None] == pack_ids[:, None, None, :])
 
         group_cls: Any = AlbertGroup
         if cfg.remat_policy != "none":
@@ -227,6 +231,9 @@ class AlbertModel(nn.Module):
         deterministic: bool = True,
         output_positions: Array | None = None,
         pooled_only: bool = False,
+        position_ids: Array | None = None,
+        pack_ids: Array | None = None,
+        cls_positions: Array | None = None,
     ) -> dict[str, Array]:
         """input_ids [B,S] -> {"sequence_output" [B,S,H], "pooled_output" [B,H]}.
 
@@ -239,6 +246,10 @@ class AlbertModel(nn.Module):
         pooled vector, for 1/L less of the encoder's work at L layers: of the last
         application only the key and value projections run at every position (1/6 of its
         matmul FLOPs at ALBERT's 4H FFN).
+
+        Packed rows (tasks/packing.py; with `pooled_only`): `position_ids` and `pack_ids` [B,S]
+        and `cls_positions` [B,Q], the [CLS] of each example of a row; "pooled_output" is then
+        [B,Q,H], one per example slot, each what the example gives alone.
         """
         if segment_ids is None:
             segment_ids = jnp.zeros_like(input_ids)
@@ -248,7 +259,14 @@ class AlbertModel(nn.Module):
             if output_positions is not None:
                 raise ValueError("pooled_only=True reads no output_positions")
             output_positions = jnp.zeros((input_ids.shape[0], 0), jnp.int32)
-        x = self.embeddings(input_ids, segment_ids, deterministic)
+        x = self.embeddings(input_ids, segment_ids, deterministic, position_ids)
+        if cls_positions is not None:
+            if not pooled_only:
+                raise ValueError("cls_positions (packed rows) needs pooled_only=True")
+            rows = self.encoder(x, input_mask, deterministic, cls_positions, pack_ids)  # [B,Q,H]
+            return {"pooled_output": jnp.tanh(self.pooler(rows))}
+        if pack_ids is not None:
+            raise ValueError("pack_ids (packed rows) come with their cls_positions")
         if output_positions is None:
             sequence_output = self.encoder(x, input_mask, deterministic)
             cls, outputs = sequence_output[:, 0], {"sequence_output": sequence_output}

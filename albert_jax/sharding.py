@@ -89,24 +89,30 @@ def put_batch(batch: Batch, sharding: NamedSharding, global_batch: int) -> dict[
     puts them in the global rows that the process's devices hold, which the mesh decides: rows
     [p·b, (p+1)·b) for process p when the mesh lists devices in process order, as on CPU.
     The explicit global shape turns a mesh that does not split the batch over the processes
-    into an error instead of a silently smaller batch.
+    into an error instead of a silently smaller batch. `global_batch` is the examples' rows;
+    arrays of another leading size (packed rows [R, ...] beside labels [B]) are split alike,
+    each process holding its 1/n of them.
     """
-    if jax.process_count() == 1:
+    n = jax.process_count()
+    rows = max(len(v) for v in batch.values())
+    if rows * n != global_batch:
+        raise ValueError(f"{n} process(es) x {rows} rows is not the batch of {global_batch}")
+    if n == 1:
         return jax.device_put(dict(batch), sharding)
     # An explicit transfer; the guard around the loop would count it as implicit.
     with jax.transfer_guard("allow"):
         return {
-            k: jax.make_array_from_process_local_data(sharding, v, (global_batch, *v.shape[1:]))
+            k: jax.make_array_from_process_local_data(sharding, v, (len(v) * n, *v.shape[1:]))
             for k, v in batch.items()
         }
 
 
 def process_rows(batch: Batch) -> dict[str, np.ndarray]:
     """This process's rows [p·B/n, (p+1)·B/n) of a global host batch [B, ...] that every
-    process holds whole (fine-tuning features)."""
-    rows = len(next(iter(batch.values()))) // jax.process_count()
-    start = jax.process_index() * rows
-    return {k: v[start : start + rows] for k, v in batch.items()}
+    process holds whole (fine-tuning features); each array by its own B (packed rows [R, ...]
+    and examples [B, ...] alike)."""
+    n, p = jax.process_count(), jax.process_index()
+    return {k: v[p * (len(v) // n) : (p + 1) * (len(v) // n)] for k, v in batch.items()}
 
 
 def fetch(tree: PyTree) -> PyTree:

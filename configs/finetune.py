@@ -86,6 +86,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # --- featurization
     c.max_seq_length = 512  # tokens per sequence (per option for multiple choice)
     c.length_buckets = True  # cut each batch to 32·2^k tokens (<= max_seq_length) it fits in
+    # Training batches of one-sequence tasks (classification, regression): several examples per
+    # row, no padding between them (tasks/packing.py); the others use length buckets.
+    c.pack_examples = True
     c.max_qa_length = 128  # multiple choice: tokens kept of question+option (official RACE)
     c.max_query_length = 64  # SQuAD: tokens kept of the question
     c.doc_stride = 128  # SQuAD: tokens between the starts of consecutive context windows

@@ -104,13 +104,20 @@ def test_training_on_cut_batches_scores_as_padded_training(
     assert abs(cut[metric] - padded[metric]) <= point, (cut[metric], padded[metric])
 
 
-def test_training_on_cut_batches_resumes_bit_exactly(tmp_path_factory, shared_data, tmp_path):
-    # max_seq_length 128, 16 a batch: these sentences' batches fall in two buckets (64, 128).
+@pytest.mark.parametrize("pack", [False, True], ids=["buckets", "packed"])
+def test_training_on_cut_batches_resumes_bit_exactly(
+    pack, tmp_path_factory, shared_data, tmp_path
+):
+    # max_seq_length 128, 16 a batch: these sentences' batches fall in two buckets (64, 128);
+    # packed (tasks/packing.py), in rows of 128.
     spm = tiny_tokenizer_path(tmp_path_factory, shared_data)
-    config = sentiment_tiny_config(spm, shared_data, max_seq_length=128, batch_size=16)
+    config = sentiment_tiny_config(
+        spm, shared_data, max_seq_length=128, batch_size=16, pack_examples=pack
+    )
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     finetune.finetune_and_evaluate(config, straight)
-    assert _training_lengths(config) == {64, 128}
+    if not pack:
+        assert _training_lengths(config) == {64, 128}
     shutil.copytree(straight, resumed)
     for step in (8, 12):  # as if the run had stopped after the checkpoint of step 4
         shutil.rmtree(os.path.join(checkpointing.checkpoint_dir(resumed), str(step)))

@@ -35,6 +35,7 @@ from albert_jax.tasks.batching import Features
 from albert_jax.tasks.classification import classification_features
 from albert_jax.tasks.metrics import compute_named_metrics
 from albert_jax.tasks.multiple_choice import multiple_choice_features
+from albert_jax.tasks.packing import PACKED_INPUTS
 from albert_jax.tasks.squad_features import SquadFeatures, squad_features
 from albert_jax.tasks.squad_predictions import SquadPredictions, predict_v1, predict_v2
 
@@ -69,6 +70,9 @@ class TaskKind(abc.ABC):
     #: SQuAD evaluator version ("v1.1" / "v2.0") of span kinds, whose eval sets carry the
     #: evaluator's JSON (`EvalSet.squad_json`); None for the others.
     squad_version: ClassVar[str | None] = None
+    #: Whether training batches may pack several examples into a row (tasks/packing.py): the
+    #: head then reads each example's [CLS] from `head_inputs`' packing arrays.
+    packable: ClassVar[bool] = False
 
     def __repr__(self) -> str:
         return f"<task kind {self.name}>"
@@ -172,6 +176,12 @@ class Classification(TaskKind):
     name = "classification"
     model_inputs = ("input_ids", "segment_ids", "input_mask", "label")
     labels = ("label",)
+    packable = True
+
+    def head_inputs(self, batch: Batch, *, train: bool) -> dict[str, Any]:
+        """A packed batch's positions, example ids and [CLS] slots (none otherwise)."""
+        del train
+        return {k: batch[k] for k in PACKED_INPUTS if k in batch}
 
     def build_model(self, model_config: ModelConfig, spec: TaskSpec, config: Any) -> nn.Module:
         return heads.AlbertForSequenceClassification(

@@ -1,0 +1,127 @@
+"""Several short examples in one row: training batches of one-sequence kinds without padding.
+
+A sentence-classification batch padded to its longest row (or to its length bucket) is mostly
+padding: SST-style sentences average ~30 tokens, a batch's longest is ~60 and its bucket 64
+or 128. Packing puts the examples of a batch one after another into `rows` rows of
+`row_length` tokens, so the encoder runs over about the real tokens only:
+
+  row 0: [CLS] a1 a2 [SEP] [CLS] b1 b2 b3 [SEP] [CLS] c1 [SEP] pad pad
+  row 1: [CLS] d1 ... [SEP] [CLS] e1 ... [SEP] pad ...
+
+`pack_ids` (1, 2, ... per example of a row, 0 for padding) make attention block-diagonal (a
+token attends to the tokens of its own example only), `position_ids` restart at 0 for each
+example, segment ids are each example's own, and `cls_index` [B] says where each example's
+[CLS] is (flat index into rows x slots of `cls_positions`), so the head reads one pooled
+vector per example, in the batch's order. Each example thus computes exactly what it computes
+alone (masked keys get -10000 before the softmax, whose exp is 0 in float32); labels and the
+loss stay per example, [B].
+
+Shapes are bounded: `row_length` is a length bucket of at least `MIN_ROW_LENGTH` tokens (or
+max_seq_length), the slots per row are `row_length // TOKENS_PER_SLOT`, and the row count is a
+multiple of `row_granularity` up to the batch size: log2 buckets x batch / granularity shapes
+at most (a handful in practice, logged by the caller).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from albert_jax.tasks.batching import bucket_length
+
+__all__ = ["PackPlan", "plan_packing", "pack_batch", "PACKED_INPUTS"]
+
+# Rows shorter than this hold one or two sentences and fragment badly; attention over a row of
+# 128 costs ~3% of a base layer's FLOPs (4·S·H against 24·H² per token), so longer is cheap.
+MIN_ROW_LENGTH = 128
+# One [CLS] slot per this many tokens of a row: examples have >= 3 tokens, but a slot count
+# that follows the row length keeps `cls_positions` small and the shapes tied to the bucket.
+TOKENS_PER_SLOT = 16
+# The arrays a packed batch adds (and those it replaces keep their names).
+PACKED_INPUTS = ("position_ids", "pack_ids", "cls_positions", "cls_index")
+
+
+class PackPlan(NamedTuple):
+    """The shape of one seed's packed batch."""
+
+    row_length: int  # tokens per row: a length bucket
+    rows: int  # rows per seed
+    slots: int  # examples a row may hold
+
+
+def _first_fit(lengths: np.ndarray, row_length: int, slots: int) -> list[list[int]]:
+    """Example indices per row: longest first, each into the first row with room (tokens and
+    a free slot). Deterministic: ties keep batch order."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in np.argsort(-lengths, kind="stable"):
+        n = int(lengths[i])
+        for r, room in enumerate(free):
+            if room >= n and len(rows[r]) < slots:
+                rows[r].append(int(i))
+                free[r] -= n
+                break
+        else:
+            rows.append([int(i)])
+            free.append(row_length - n)
+    return rows
+
+
+def _lengths(batch: Mapping[str, np.ndarray]) -> np.ndarray:
+    return batch["input_mask"].sum(axis=-1).astype(np.int64)
+
+
+def plan_packing(
+    batches: Sequence[Mapping[str, np.ndarray]], max_seq_length: int, row_granularity: int
+) -> PackPlan:
+    """The one packed shape for every seed's batch of a step (one program runs them all).
+
+    Args:
+      batches: each seed's batch {input_mask [B,S], ...}, rows padded at the end.
+      max_seq_length: S, the longest a row may be.
+      row_granularity: rows are a multiple of it (it divides B: the data shards split the
+        rows; coarser than 1 bounds the number of compiled shapes).
+    """
+    longest = max(int(_lengths(b).max()) for b in batches)
+    row_length = bucket_length(max(longest, min(MIN_ROW_LENGTH, max_seq_length)), max_seq_length)
+    slots = max(1, row_length // TOKENS_PER_SLOT)
+    needed = max(len(_first_fit(_lengths(b), row_length, slots)) for b in batches)
+    rows = math.ceil(needed / row_granularity) * row_granularity
+    return PackPlan(row_length, rows, slots)
+
+
+def pack_batch(batch: Mapping[str, np.ndarray], plan: PackPlan) -> dict[str, np.ndarray]:
+    """One seed's batch {input_ids, segment_ids, input_mask [B,S], label [B], ...} -> packed.
+
+    Returns input_ids, segment_ids, input_mask, position_ids, pack_ids [rows, row_length]
+    int32, cls_positions [rows, slots] int32 (unused slots 0), cls_index [B] int32 (example
+    b's [CLS] at flat slot cls_index[b] of [rows * slots]) and every other array of `batch`
+    ([B, ...], e.g. label) unchanged.
+    """
+    lengths = _lengths(batch)
+    placement = _first_fit(lengths, plan.row_length, plan.slots)
+    if len(placement) > plan.rows:
+        raise ValueError(f"{len(placement)} rows needed, the plan has {plan.rows}")
+    shape = (plan.rows, plan.row_length)
+    packed = {k: np.zeros(shape, np.int32) for k in ("input_ids", "segment_ids", "input_mask")}
+    packed["position_ids"] = np.zeros(shape, np.int32)
+    packed["pack_ids"] = np.zeros(shape, np.int32)
+    packed["cls_positions"] = np.zeros((plan.rows, plan.slots), np.int32)
+    packed["cls_index"] = np.zeros(len(lengths), np.int32)
+    for r, examples in enumerate(placement):
+        start = 0
+        for slot, i in enumerate(examples):
+            n = int(lengths[i])
+            span = slice(start, start + n)
+            for k in ("input_ids", "segment_ids", "input_mask"):
+                packed[k][r, span] = batch[k][i, :n]
+            packed["position_ids"][r, span] = np.arange(n)
+            packed["pack_ids"][r, span] = slot + 1
+            packed["cls_positions"][r, slot] = start
+            packed["cls_index"][i] = r * plan.slots + slot
+            start += n
+    packed.update({k: v for k, v in batch.items() if k not in packed})
+    return packed
