@@ -12,17 +12,19 @@ on one device, at `--batch` sequences of `--seq_len` tokens, on the same synthet
 - albert-base / large / xlarge / xxlarge: the official ALBERT shapes (E = 128, V = 30000), all
   layers sharing one weight set (`sharing="all"`).
 
-All models are compiled first (compile time reported apart), then each runs `--warmup` untimed
-steps, then `--rounds` rounds in which every model runs one step in turn, so the drift of a
-shared machine falls on all of them alike. `seq_per_s` = batch / median step time;
-`speedup_vs_bert_large` = the median over rounds of (BERT-large's step time / the model's step
-time in the same round), a paired ratio that a slow round cannot skew the way it skews two
-independent medians. `flop_speedup` = BERT-large's model FLOPs per step / the model's
-(`albert_jax.flops`): what a machine whose step time is its FLOPs would show.
+All models are compiled first (compile time reported apart) and run `--warmup` untimed
+steps; then come `--rounds` rounds in which every model in turn gets a freshly initialized
+state and runs one timed step, so the drift of a shared machine falls on all of them alike and
+only one model's state (BERT-large's: 5.4 GB) is in memory at a time. `seq_per_s` = batch /
+median step time; `speedup_vs_bert_large` = the median over rounds of (BERT-large's step time /
+the model's step time in the same round), a paired ratio that a slow round cannot skew the way
+it skews two independent medians. `flop_speedup` = BERT-large's model FLOPs per step / the
+model's (`albert_jax.flops`): what a machine whose step time is its FLOPs would show.
 
 The paper (arXiv 1909.11942 v6, Table 2) measured TPU v3 pods at batch 4096 and seq 512, where
-the all-reduce of gradients grows with the parameter count and sharing shrinks it; one CPU
-device has no communication, so its ratios follow the FLOPs instead.
+the gradient all-reduce grows with the parameter count and sharing shrinks it. One device has
+no all-reduce; what grows with the parameter count there is LAMB's memory-bound pass over the
+parameters, gradients and moments, a fixed cost per step that a small batch makes large.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ from configs import pretrain  # noqa: E402
 
 REFERENCE = "bert-large"
 # Paper Table 2 (arXiv 1909.11942 v6), "Speedup" column: pretraining throughput relative to
-# BERT-large on Cloud TPU v3, batch 4096, seq 512 (../shared/reference/PERF_ANCHORS.md §1).
+# BERT-large on Cloud TPU v3, batch 4096, seq 512 (../shared/reference/PERF_ANCHORS.md §1,
+# which has ALBERT-large 1.7 and xxlarge 0.3 from cited sources and the other three from memory).
 PAPER_SPEEDUP = {
     "bert-base": 4.7,
     "bert-large": 1.0,
