@@ -23,7 +23,7 @@ interleaving spreads the drift of a shared machine over all of them, so same-run
   `jax.jit` with the HF Flax peer's optax AdamW (`benchmarks/kerashub_peer.py`). Skipped, with a
   note, when keras-hub is not installed (`pip install -e ".[peers]"`).
 
-`X_over_Y` = Y's median step time / X's median step time.
+`X_over_Y` = the median over rounds of Y's step time / X's step time in the same round.
 
 MFU counts model FLOPs honestly (`albert_jax.flops`): every layer
 application, attention, the E→H projection, the MLM head on the predicted positions only, the
@@ -376,9 +376,9 @@ def main() -> None:
     for name in ("ours", "ours_unrolled"):
         for peer in ("hf_flax", "hf_torch", "kerashub"):
             if name in runs and peer in runs:
-                result[f"{name}_over_{peer}"] = round(
-                    result[f"{name}_seq_per_s"] / result[f"{peer}_seq_per_s"], 3
-                )
+                # Paired by round: a slow round (a neighbour's burst) slows both alike.
+                paired = [p / o for p, o in zip(times[peer], times[name], strict=True)]
+                result[f"{name}_over_{peer}"] = round(statistics.median(paired), 3)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     sys.stdout.flush()
 
