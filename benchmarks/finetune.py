@@ -77,6 +77,7 @@ from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, create_mesh,
 from albert_jax.tasks.batching import train_batch, trim_to_bucket  # noqa: E402
 from albert_jax.train_config import mesh_layout  # noqa: E402
 from albert_jax.train_state import create_state, make_step  # noqa: E402
+from benchmarks.train_step import time_interleaved  # noqa: E402
 from configs import finetune as finetune_configs  # noqa: E402
 from configs import pretrain  # noqa: E402
 
@@ -254,20 +255,11 @@ def unpadded_rows(batch: dict[str, np.ndarray]) -> list[dict[str, Any]]:
     ]
 
 
-def time_interleaved(
-    contenders: dict[str, Callable[[int], Any]], warmup_steps: list[int], timed_steps: list[int]
-) -> dict[str, list[float]]:
-    """Seconds of each contender's timed steps: round r runs step `timed_steps[r]` of each."""
-    for run in contenders.values():
-        for step in warmup_steps:
-            run(step)
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for step in timed_steps:
-        for name, run in contenders.items():
-            start = time.perf_counter()
-            run(step)
-            times[name].append(time.perf_counter() - start)
-    return times
+def in_turn(run: Callable[[int], Any], steps: list[int]) -> Callable[[], Any]:
+    """`run` as a `time_interleaved` step: its i-th call runs training step `steps[i]`, so
+    round r of every contender is the same batch."""
+    order = iter(steps)
+    return lambda: run(next(order))
 
 
 def paired_ratio(peer: list[float], ours: list[float]) -> float:
@@ -311,7 +303,8 @@ def measure_length(
                 contenders[f"hf_same_length_{threads}t"] = lambda s, hf=hf: hf.step(
                     rows[s], pad_to=bucket[s]
                 )
-        times = time_interleaved(contenders, warmup_steps, timed_steps)
+        turns = {name: in_turn(run, steps) for name, run in contenders.items()}
+        times = time_interleaved(turns, args.warmup, args.rounds)
 
     def fastest(kind: str) -> list[float]:  # per round, the faster torch thread count
         runs = [times[f"{kind}_{n}t"] for n in args.hf_threads]
@@ -410,7 +403,9 @@ def main() -> None:
 
         result["vocab_size"] = Tokenizer(tokenizer).vocab_size
         for length in (int(x) for x in args.lengths.split(",")):
-            result.update(measure_length(args, tokenizer, length, f"{workdir}/{length}"))
+            measured = measure_length(args, tokenizer, length, f"{workdir}/{length}")
+            print(json.dumps(measured), file=sys.stderr, flush=True)  # each length as it ends
+            result.update(measured)
     result["load_average_end"] = round(os.getloadavg()[0], 2)
     result["total_s"] = round(time.perf_counter() - start, 1)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
