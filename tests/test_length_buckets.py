@@ -105,9 +105,7 @@ def test_training_on_cut_batches_scores_as_padded_training(
 
 
 @pytest.mark.parametrize("pack", [False, True], ids=["buckets", "packed"])
-def test_training_on_cut_batches_resumes_bit_exactly(
-    pack, tmp_path_factory, shared_data, tmp_path
-):
+def test_training_on_cut_batches_resumes_bit_exactly(pack, tmp_path_factory, shared_data, tmp_path):
     # max_seq_length 128, 16 a batch: these sentences' batches fall in two buckets (64, 128);
     # packed (tasks/packing.py), in rows of 128.
     spm = tiny_tokenizer_path(tmp_path_factory, shared_data)
