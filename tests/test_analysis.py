@@ -1,7 +1,8 @@
-"""The analysis instruments on the tiny model the tests pretrain (test_finetune's
-`pretrained_workdir`: all-shared, 2 layers, 60 LAMB steps): the depth sweep CLI, Figure 2's
-layer transitions against hidden states computed another way, and a shared checkpoint run at
-another depth by continued pretraining and fine-tuning; the depth changes that are refused."""
+"""The analysis instruments on a tiny model the tests pretrain (test_sop_diagnostics'
+`sop_run`: test_train's model, all-shared, 2 layers, 6 LAMB steps, evaluated on 2 held-out
+batches): the depth sweep CLI, Figure 2's layer transitions against hidden states computed
+another way, and a shared checkpoint run at another depth by continued pretraining and
+fine-tuning; the depth changes that are refused."""
 
 from __future__ import annotations
 
@@ -12,15 +13,10 @@ import sys
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_finetune import (
-    pretrained_workdir,
-    task_files,
-    tiny_scratch_config,
-    tiny_tokenizer_path,
-)
+from test_finetune import task_files, tiny_scratch_config
+from test_sop_diagnostics import sop_run
 
 from albert_jax import checkpointing, finetune, finetune_config, metrics_writer, train, trees
 from albert_jax.analysis import depth, heldout, layer_transitions
@@ -32,11 +28,12 @@ from albert_jax.train_config import validate_config
 from configs.pretrain import get_config as pretrain_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 1000  # the corpus tokenizer's (conftest `corpus`)
 
 
 @pytest.fixture(scope="module")
-def shared_init(tmp_path_factory, shared_data) -> str:
-    return pretrained_workdir(tmp_path_factory, shared_data, sharing="all")
+def shared_init(corpus, tmp_path_factory) -> str:
+    return sop_run(corpus, tmp_path_factory)[0]
 
 
 def test_depth_sweep_cli_one_value_per_depth_and_the_runs_own_eval(shared_init, tmp_path):
@@ -104,31 +101,30 @@ def test_layer_transitions_equal_hidden_states_computed_by_depth(shared_init, tm
 
 
 def test_continued_pretraining_and_fine_tuning_at_another_depth(
-    shared_init, tmp_path, tmp_path_factory, shared_data
+    shared_init, tmp_path, corpus, shared_data
 ):
-    # Continued pretraining of the 2-layer all-shared init at 4 layers, 2 small steps.
+    # Continued pretraining of the 2-layer all-shared init at 4 layers, 1 small step.
     config = heldout.run_config_of(shared_init)
     config.init_from, config.model.num_hidden_layers = shared_init, 4
-    config.num_train_steps, config.warmup_steps, config.learning_rate = 2, 0, 1e-6
-    config.log_every_steps, config.eval_every_steps, config.checkpoint_every_steps = 1, 0, 2
+    config.num_train_steps, config.warmup_steps, config.learning_rate = 1, 0, 1e-6
+    config.log_every_steps, config.eval_every_steps, config.checkpoint_every_steps = 1, 0, 1
     workdir = str(tmp_path / "deeper")
-    assert train.train_and_evaluate(config, workdir)["step"] == 2
+    assert train.train_and_evaluate(config, workdir)["step"] == 1
     step_dir = checkpointing.latest_step_dir(workdir)
     meta, params = checkpointing.read_step_dir(step_dir)
     assert meta["model_config"]["num_hidden_layers"] == 4
     _, start = checkpointing.read_step_dir(checkpointing.latest_step_dir(shared_init))
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(start), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-4)  # started from the init, 2 tiny steps
+        np.testing.assert_allclose(a, b, atol=1e-4)  # started from the init, 1 tiny step
     # The run's own workdir at another depth is a resume of another model: refused.
-    config.model.num_hidden_layers, config.num_train_steps = 2, 3
+    config.model.num_hidden_layers, config.num_train_steps = 2, 2
     with pytest.raises(ValueError, match="num_hidden_layers: checkpoint 4, config 2"):
         train.train_and_evaluate(config, workdir)
 
-    # Fine-tuning the same init at 4 layers: every backbone weight loads.
-    spm = tiny_tokenizer_path(tmp_path_factory, shared_data)
+    # Fine-tuning the same init at 4 layers (1 step): every backbone weight loads.
     train_file, dev_file = task_files(shared_data, "sentiment_rt")
     ft = tiny_scratch_config(
-        "sentiment_rt", spm, num_train_steps=2, checkpoint_every_steps=2,
+        "sentiment_rt", corpus["tokenizer"], num_train_steps=1, checkpoint_every_steps=1,
         **{"data.train_files": train_file, "data.eval_files": dev_file,
            "data.max_train_examples": 64, "data.max_eval_examples": 64},
     )  # fmt: skip
@@ -143,16 +139,23 @@ def test_continued_pretraining_and_fine_tuning_at_another_depth(
     assert ft_meta["model_config"]["num_hidden_layers"] == 4
 
 
+def random_params(config: ModelConfig, seed: int = 0):
+    """{"params": ...} of random numpy float32 arrays for `config` (shapes traced, not
+    compiled)."""
+    model = AlbertForPreTraining(config)
+    shapes = jax.eval_shape(lambda k: nn.meta.unbox(init_params(model, k)), jax.random.key(0))
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: 0.1 * rng.standard_normal(s.shape).astype(np.float32), shapes)
+
+
 def _model_dir(directory, **overrides) -> str:
-    """A randomly initialized tiny model saved as a model dir."""
-    config = ModelConfig.preset("tiny", vocab_size=2000, **overrides)
-    init = jax.jit(lambda rng: nn.meta.unbox(init_params(AlbertForPreTraining(config), rng)))
-    params = init(jax.random.key(0))
-    save_model_dir(str(directory), params, config)
+    """A tiny model with random weights saved as a model dir (the corpus tokenizer's vocab)."""
+    config = ModelConfig.preset("tiny", vocab_size=VOCAB, **overrides)
+    save_model_dir(str(directory), random_params(config), config)
     return str(directory)
 
 
-def test_depth_changes_that_are_refused_name_the_fields(tmp_path, tmp_path_factory, shared_data):
+def test_depth_changes_that_are_refused_name_the_fields(tmp_path, corpus, shared_data):
     tiny = ModelConfig.preset("tiny")  # 4 layers
     assert tiny.with_depth(7).num_hidden_layers == 7
     grouped = tiny.replace(num_hidden_groups=2)
@@ -170,12 +173,12 @@ def test_depth_changes_that_are_refused_name_the_fields(tmp_path, tmp_path_facto
 
     # Fine-tuning a grouped init at a depth that is no multiple of its groups: refused before
     # anything compiles, naming both fields.
-    spm = tiny_tokenizer_path(tmp_path_factory, shared_data)
     init = _model_dir(tmp_path / "grouped", num_hidden_groups=2)
     train_file, dev_file = task_files(shared_data, "sentiment_rt")
     ft = tiny_scratch_config(
-        "sentiment_rt", spm, **{"data.train_files": train_file, "data.eval_files": dev_file}
-    )
+        "sentiment_rt", corpus["tokenizer"],
+        **{"data.train_files": train_file, "data.eval_files": dev_file},
+    )  # fmt: skip
     for field in list(ft.model):
         del ft.model[field]
     ft.model.num_hidden_layers, ft.init = 3, init
@@ -185,11 +188,11 @@ def test_depth_changes_that_are_refused_name_the_fields(tmp_path, tmp_path_facto
     saved = ModelConfig.from_dict(
         json.loads((tmp_path / "grouped" / "model_config.json").read_text())
     )
-    assert finetune_config.model_config(ft, saved, 2000).layers_per_group == 2
+    assert finetune_config.model_config(ft, saved, VOCAB).layers_per_group == 2
 
     # Continued pretraining from a not-shared init at another depth: the error says why.
     none_init = _model_dir(tmp_path / "none", sharing="none")
-    deeper = ModelConfig.preset("tiny", vocab_size=2000, sharing="none", num_hidden_layers=6)
+    deeper = ModelConfig.preset("tiny", vocab_size=VOCAB, sharing="none", num_hidden_layers=6)
     abstract = jax.eval_shape(
         lambda: nn.meta.unbox(init_params(AlbertForPreTraining(deeper), jax.random.key(0)))
     )
@@ -208,12 +211,11 @@ def test_mean_over_tokens_is_weighted_by_real_tokens_only():
         "tiny", vocab_size=50, hidden_size=16, embedding_size=8, intermediate_size=32,
         num_hidden_layers=3, max_position_embeddings=16,
     )  # fmt: skip
-    init = jax.jit(lambda rng: nn.meta.unbox(init_params(AlbertModel(config), rng)))
-    albert = init(jax.random.key(1))["params"]
-    ids = jax.random.randint(jax.random.key(2), (3, 8), 1, 50)
-    mask = jnp.array([[1] * 8, [1] * 5 + [0] * 3, [1] * 8])
-    batch = {"input_ids": ids, "segment_ids": jnp.zeros_like(ids), "input_mask": mask,
-             "example_weight": jnp.array([1.0, 1.0, 0.0])}  # fmt: skip
+    albert = random_params(config, seed=1)["params"]["albert"]
+    ids = np.random.default_rng(2).integers(1, 50, (3, 8), dtype=np.int32)
+    mask = np.array([[1] * 8, [1] * 5 + [0] * 3, [1] * 8], np.int32)
+    batch = {"input_ids": ids, "segment_ids": np.zeros_like(ids), "input_mask": mask,
+             "example_weight": np.array([1.0, 1.0, 0.0], np.float32)}  # fmt: skip
 
     @jax.jit
     def run(albert, batch):

@@ -190,18 +190,31 @@ def tiny_run(corpus, workdir, objective):
     return train.train_and_evaluate(make_config(overrides), workdir)
 
 
+def sop_run(corpus, tmp_path_factory) -> tuple[str, dict]:
+    """(workdir, result) of a tiny SOP run (test_train's model: all-shared, 2 layers; 6 steps,
+    evaluated at step 6 on 2 held-out batches), pretrained once per session and cached on disk
+    like test_finetune's `pretrained_workdir`: these tests' run, and test_analysis's init.
+    `result` is what `train_and_evaluate` returned, kept next to the workdir."""
+    root = tmp_path_factory.getbasetemp()
+    workdir, saved = root / "sop_diagnostics_run", root / "sop_diagnostics_run.result.json"
+    if not saved.exists():
+        shutil.rmtree(workdir, ignore_errors=True)  # a run an earlier failure left unfinished
+        result = tiny_run(corpus, str(workdir), "sop")
+        saved.write_text(json.dumps(result, default=float))
+    return str(workdir), json.loads(saved.read_text())
+
+
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory):
-    """A tiny SOP run (6 steps), and the same checkpoint as an MLM-only run: a copy whose
+    """The tiny SOP run (`sop_run`), and the same checkpoint as an MLM-only run: a copy whose
     config.json says objective=none (every checkpoint has the SOP head; the table must
     measure it whatever the run trained). One compiled run keeps the test fast."""
-    root = tmp_path_factory.mktemp("sop_runs")
-    sop_dir, none_dir = root / "sop", root / "none"
-    result = tiny_run(corpus, str(sop_dir), "sop")
+    sop_dir, result = sop_run(corpus, tmp_path_factory)
+    none_dir = tmp_path_factory.mktemp("sop_runs") / "none"
     shutil.copytree(sop_dir, none_dir)
     config = json.loads((none_dir / "config.json").read_text())
     (none_dir / "config.json").write_text(json.dumps({**config, "objective": "none"}))
-    return {"sop": (str(sop_dir), result), "none": (str(none_dir), None)}
+    return {"sop": (sop_dir, result), "none": (str(none_dir), None)}
 
 
 def check_splits_sum_to_total(metrics, splits):

@@ -20,8 +20,10 @@ from test_train import SMALL_MODEL, losses_by_step, make_config, small_overrides
 
 from albert_jax import train
 from albert_jax.config import ModelConfig
+from albert_jax.data.tokenizer import Tokenizer
 from albert_jax.model import AlbertForPreTraining, init_params
 from albert_jax.pretrained import load_pretrained, save_model_dir
+from albert_jax.sharding import create_mesh
 from albert_jax.unshare import (
     REPORT_FILES,
     applied_blocks,
@@ -172,9 +174,9 @@ def test_nonsense_is_refused_with_the_reason():
 
 # --------------------------------------------------------------------- checkpoints and CLI
 def test_cli_unshare_then_pretraining_continues_at_the_shared_loss(corpus, tmp_path):
-    """A shared model dir -> `--unshare` -> pretraining from each (`init_from`, 1 step): the
-    first step's loss is the shared model's. Then `--reshare` of the continued run's workdir
-    (its layers have moved apart) reports how far the outputs moved."""
+    """A shared model dir -> `--unshare` -> pretraining from it (`init_from`, 1 step): the
+    first step's loss is the shared model's loss on that step's batch. Then `--reshare` of the
+    continued run's workdir (its layers have moved apart) reports how far the outputs moved."""
     config = ModelConfig(**SMALL_MODEL)
     shared_dir, unshared_dir = str(tmp_path / "shared"), str(tmp_path / "unshared")
     save_model_dir(shared_dir, random_params(config, seed=6), config, corpus["tokenizer"])
@@ -197,19 +199,35 @@ def test_cli_unshare_then_pretraining_continues_at_the_shared_loss(corpus, tmp_p
         convert_sharing(unshared_dir, str(tmp_path / "again"), "unshare")
     assert not (tmp_path / "again").exists()
 
+    # The continued run (1 step from the unshared dir) and the shared model's loss on that run's
+    # step-1 batch, computed directly: the batch and the loss are the loop's own
+    # (`train.Pretraining`: its data stream from step 0, `next_batch`, `loss`).
     overrides = small_overrides(
         corpus, num_train_steps=1, warmup_steps=0, checkpoint_every_steps=100
     )
-    losses = {}
-    for sharing, init in (("all", shared_dir), ("none", unshared_dir)):
-        workdir = str(tmp_path / f"run_{sharing}")
-        train.train_and_evaluate(
-            make_config({**overrides, "model.sharing": sharing, "init_from": init}), workdir
-        )
-        losses[sharing] = losses_by_step(workdir)[1]
-    # The same batch through the same function; the two compiled programs may round the last
-    # bits differently (see test_unshared_model_is_the_shared_function_bit_for_bit).
-    assert losses["none"] == pytest.approx(losses["all"], rel=1e-6, abs=0)
+    run_none = str(tmp_path / "run_none")
+    unshared_config = make_config({**overrides, "model.sharing": "none", "init_from": unshared_dir})
+    assert train.train_and_evaluate(unshared_config, run_none)["step"] == 1
+    continued = losses_by_step(run_none)[1]
+    shared_config = make_config({**overrides, "model.sharing": "all", "init_from": shared_dir})
+    layout = train.validate_config(shared_config)
+    mesh = create_mesh(layout.mesh_shape, devices=layout.devices)
+    objective = train.Pretraining(
+        shared_config, str(tmp_path / "unused"), layout.model_config, mesh,
+        Tokenizer(corpus["tokenizer"]),
+    )  # fmt: skip
+    try:
+        objective.start(0, None, None)
+        batch = objective.next_batch(1)
+    finally:
+        objective.close()
+    shared_params = load_pretrained(shared_dir).params["params"]
+    # (no dropout in these models: the key is unused)
+    shared_loss, _ = jax.jit(objective.loss)(shared_params, batch, jax.random.key(0))
+    # The same batch through the same function; the two compiled programs (one device here,
+    # the run's data-parallel step there) may round the last bits differently (see
+    # test_unshared_model_is_the_shared_function_bit_for_bit).
+    assert continued == pytest.approx(float(shared_loss), rel=1e-6, abs=0)
 
     # Reshare of the continued run's workdir (a training checkpoint; its layers moved apart
     # in the update): a model dir, and the report says how far the outputs moved.
