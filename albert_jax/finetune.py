@@ -285,7 +285,9 @@ class FineTuning:
     def _pack(self, batches: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         """Each seed's batch packed (tasks/packing.py) into the step's one shape; each new
         shape is logged with the count so far (bounded, see the module)."""
-        plan = packing.plan_packing(batches, self.config.max_seq_length, self.row_granularity)
+        plan, placements = packing.plan_packing(
+            batches, self.config.max_seq_length, self.row_granularity
+        )
         if plan not in self.packed_shapes:
             self.packed_shapes.add(plan)
             tokens = sum(int(b["input_mask"].sum()) for b in batches)
@@ -295,7 +297,7 @@ class FineTuning:
                 100 * tokens / (plan.rows * plan.row_length * len(batches)),
                 len(self.packed_shapes), sorted(self.packed_shapes),
             )  # fmt: skip
-        return [packing.pack_batch(b, plan) for b in batches]
+        return [packing.pack_batch(b, plan, p) for b, p in zip(batches, placements, strict=True)]
 
     def _cut(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The global batch cut to its length bucket (`config.length_buckets`); each new

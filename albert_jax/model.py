@@ -255,18 +255,18 @@ class AlbertModel(nn.Module):
             segment_ids = jnp.zeros_like(input_ids)
         if input_mask is None:
             input_mask = jnp.ones_like(input_ids)
-        if pooled_only:
-            if output_positions is not None:
-                raise ValueError("pooled_only=True reads no output_positions")
-            output_positions = jnp.zeros((input_ids.shape[0], 0), jnp.int32)
+        if pooled_only and output_positions is not None:
+            raise ValueError("pooled_only=True reads no output_positions")
+        if cls_positions is not None and not pooled_only:
+            raise ValueError("cls_positions (packed rows) needs pooled_only=True")
+        if pack_ids is not None and cls_positions is None:
+            raise ValueError("pack_ids (packed rows) come with their cls_positions")
         x = self.embeddings(input_ids, segment_ids, deterministic, position_ids)
         if cls_positions is not None:
-            if not pooled_only:
-                raise ValueError("cls_positions (packed rows) needs pooled_only=True")
             rows = self.encoder(x, input_mask, deterministic, cls_positions, pack_ids)  # [B,Q,H]
             return {"pooled_output": jnp.tanh(self.pooler(rows))}
-        if pack_ids is not None:
-            raise ValueError("pack_ids (packed rows) come with their cls_positions")
+        if pooled_only:  # [CLS] only: no other position is read
+            output_positions = jnp.zeros((input_ids.shape[0], 0), jnp.int32)
         if output_positions is None:
             sequence_output = self.encoder(x, input_mask, deterministic)
             cls, outputs = sequence_output[:, 0], {"sequence_output": sequence_output}

@@ -40,10 +40,10 @@ def _sentiment_features(tmp_path_factory, shared_data, max_seq_length: int):
 def test_every_example_is_placed_once_with_its_own_positions(tmp_path_factory, shared_data):
     arrays = _sentiment_features(tmp_path_factory, shared_data, 512)
     batches = [train_batch(arrays, step, 32, seed) for step, seed in ((0, 0), (0, 1))]
-    plan = packing.plan_packing(batches, 512, row_granularity=4)
+    plan, placements = packing.plan_packing(batches, 512, row_granularity=4)
     assert plan.row_length == 128 and plan.rows % 4 == 0 and plan.rows < 32
-    for batch in batches:
-        packed = packing.pack_batch(batch, plan)
+    for batch, placement in zip(batches, placements, strict=True):
+        packed = packing.pack_batch(batch, plan, placement)
         np.testing.assert_array_equal(packed["label"], batch["label"])  # examples keep order
         slots = packed["cls_positions"].reshape(-1)
         assert len(set(packed["cls_index"].tolist())) == 32  # one slot per example
@@ -69,7 +69,7 @@ def test_shapes_are_few_and_bounded_on_real_features(tmp_path_factory, shared_da
     plans, packed_tokens, dynamic_tokens = set(), 0, 0
     for step in range(len(arrays["label"]) // 32):
         batch = train_batch(arrays, step, 32, seed=0)
-        plan = packing.plan_packing([batch], 512, row_granularity=4)
+        plan, _ = packing.plan_packing([batch], 512, row_granularity=4)
         plans.add(plan)
         packed_tokens += plan.rows * plan.row_length
         dynamic_tokens += 32 * int(batch["input_mask"].sum(1).max())
@@ -80,7 +80,9 @@ def test_shapes_are_few_and_bounded_on_real_features(tmp_path_factory, shared_da
 
 @pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
 def test_packed_rows_give_the_logits_and_gradients_of_separate_rows(scan):
-    config = dataclasses.replace(ModelConfig.preset("tiny"), scan_layers=scan)
+    # The tiny preset's layout (4 shared layers, 2 heads: attention runs per head over the
+    # block-diagonal mask) with a small vocabulary, so init and compilation stay cheap.
+    config = dataclasses.replace(ModelConfig.preset("tiny"), vocab_size=500, scan_layers=scan)
     rng = np.random.default_rng(0)
     lengths = rng.integers(3, 60, 12)
     batch = {k: np.zeros((12, 64), np.int32) for k in ("input_ids", "segment_ids", "input_mask")}
@@ -89,11 +91,13 @@ def test_packed_rows_give_the_logits_and_gradients_of_separate_rows(scan):
         batch["input_mask"][i, :n] = 1
         batch["segment_ids"][i, n // 2 : n] = 1
     batch["label"] = rng.integers(0, 3, 12)
-    plan = packing.plan_packing([batch], 64, row_granularity=2)
-    packed = packing.pack_batch(batch, plan)
+    plan, (placement,) = packing.plan_packing([batch], 64, row_granularity=2)
+    packed = packing.pack_batch(batch, plan, placement)
+    with pytest.raises(ValueError, match="every example of the batch once"):
+        packing.pack_batch(batch, plan, placement[1:])
     assert plan.rows < 12  # several examples share rows
     model = heads.AlbertForSequenceClassification(config, 3)
-    params = model.init(jax.random.key(0), batch["input_ids"])
+    params = jax.jit(model.init)(jax.random.key(0), batch["input_ids"])
 
     def loss(p, b):
         extra = {k: b[k] for k in packing.PACKED_INPUTS if k in b}

@@ -76,7 +76,7 @@ def _lengths(batch: Mapping[str, np.ndarray]) -> np.ndarray:
 
 def plan_packing(
     batches: Sequence[Mapping[str, np.ndarray]], max_seq_length: int, row_granularity: int
-) -> PackPlan:
+) -> tuple[PackPlan, list[list[list[int]]]]:
     """The one packed shape for every seed's batch of a step (one program runs them all).
 
     Args:
@@ -84,17 +84,25 @@ def plan_packing(
       max_seq_length: S, the longest a row may be.
       row_granularity: rows are a multiple of it (it divides B: the data shards split the
         rows; coarser than 1 bounds the number of compiled shapes).
+
+    Returns:
+      The plan, and each batch's placement (example indices per row) for `pack_batch`: the
+      plan needs every placement's row count, so they are computed once, here.
     """
     longest = max(int(_lengths(b).max()) for b in batches)
     row_length = bucket_length(max(longest, min(MIN_ROW_LENGTH, max_seq_length)), max_seq_length)
     slots = max(1, row_length // TOKENS_PER_SLOT)
-    needed = max(len(_first_fit(_lengths(b), row_length, slots)) for b in batches)
+    placements = [_first_fit(_lengths(b), row_length, slots) for b in batches]
+    needed = max(len(p) for p in placements)
     rows = math.ceil(needed / row_granularity) * row_granularity
-    return PackPlan(row_length, rows, slots)
+    return PackPlan(row_length, rows, slots), placements
 
 
-def pack_batch(batch: Mapping[str, np.ndarray], plan: PackPlan) -> dict[str, np.ndarray]:
-    """One seed's batch {input_ids, segment_ids, input_mask [B,S], label [B], ...} -> packed.
+def pack_batch(
+    batch: Mapping[str, np.ndarray], plan: PackPlan, placement: Sequence[Sequence[int]]
+) -> dict[str, np.ndarray]:
+    """One seed's batch {input_ids, segment_ids, input_mask [B,S], label [B], ...} -> packed,
+    its examples in the rows that `placement` (from `plan_packing`) gives.
 
     Returns input_ids, segment_ids, input_mask, position_ids, pack_ids [rows, row_length]
     int32, cls_positions [rows, slots] int32 (unused slots 0), cls_index [B] int32 (example
@@ -102,7 +110,8 @@ def pack_batch(batch: Mapping[str, np.ndarray], plan: PackPlan) -> dict[str, np.
     ([B, ...], e.g. label) unchanged.
     """
     lengths = _lengths(batch)
-    placement = _first_fit(lengths, plan.row_length, plan.slots)
+    if sorted(i for row in placement for i in row) != list(range(len(lengths))):
+        raise ValueError("the placement must hold every example of the batch once")
     if len(placement) > plan.rows:
         raise ValueError(f"{len(placement)} rows needed, the plan has {plan.rows}")
     shape = (plan.rows, plan.row_length)
