@@ -9,7 +9,7 @@ One straight 12-step fine-tuning run on sentiment_rt (tiny model, params sharded
 Both must end with the straight run's parameters and optimizer state bit for bit (batches are a
 pure function of the step, dropout keys are folded with the step), with the same per-step
 losses and the same predictions. `Checkpointer.restore_numpy` then reads that 8-device
-checkpoint in processes with 1 and 3 devices.
+checkpoint in a process with 3 devices.
 """
 
 from __future__ import annotations
@@ -157,7 +157,11 @@ _RESTORE = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("devices", [1, 3])
+# One other device count: restore_numpy reads every leaf whole onto the host whatever the
+# count (no sharding is rebuilt), so 1 device would run the same code. 3 is the harder case: 8
+# shards do not divide over it, which a restore that rebuilt the saved sharding would fail on.
+# (Each count costs a fresh Python process with JAX and Orbax imported.)
+@pytest.mark.parametrize("devices", [3])
 def test_restore_numpy_reads_an_8_device_checkpoint_anywhere(runs, tmp_path, devices):
     workdir = runs["straight"]
     # The checkpoint really is sharded over the 8 devices of this process...
