@@ -311,7 +311,8 @@ def test_shared_gradient_is_the_sum_of_per_layer_gradients():
     cfg = tiny()
     params = init(cfg)
     batch = make_batch(cfg)
-    shared_grads = jax.grad(lambda p: _loss(cfg, p, batch))(params)
+    # Compiled value_and_grad: the loss and gradient of one program, not eager op dispatch.
+    shared_loss, shared_grads = jax.jit(jax.value_and_grad(lambda p: _loss(cfg, p, batch)))(params)
 
     # The same network unrolled with one (identical) weight copy per layer.
     unrolled = cfg.replace(sharing="none", scan_layers=False)
@@ -321,10 +322,10 @@ def test_shared_gradient_is_the_sum_of_per_layer_gradients():
     stacked = jax.tree_util.tree_map(tile, block)
     unrolled_params = jax.tree_util.tree_map(lambda x: x, params)
     unrolled_params["params"]["albert"]["encoder"]["group_0"] = stacked
-    np.testing.assert_allclose(
-        _loss(cfg, params, batch), _loss(unrolled, unrolled_params, batch), rtol=1e-5
+    unrolled_loss, per_layer = jax.jit(jax.value_and_grad(lambda p: _loss(unrolled, p, batch)))(
+        unrolled_params
     )
-    per_layer = jax.grad(lambda p: _loss(unrolled, p, batch))(unrolled_params)
+    np.testing.assert_allclose(shared_loss, unrolled_loss, rtol=1e-5)
     summed = jax.tree_util.tree_map(
         lambda g: g.sum(0), per_layer["params"]["albert"]["encoder"]["group_0"]
     )
