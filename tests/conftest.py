@@ -112,5 +112,4 @@ def corpus(tmp_path_factory, shared_data):
         "data_dir": data_dir,
         "tokenizer": tokenizer,
         "austen": austen,
-        "jax_cache": str(root / "jax_cache"),
     }

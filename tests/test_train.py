@@ -75,7 +75,7 @@ def main_command(workdir, overrides, devices, xla_flags="", **env):
     return args, {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags, **env}
 
 
-def run_main(workdir, overrides, corpus, timeout=600):
+def run_main(workdir, overrides, timeout=600):
     """`python -m albert_jax.main` in a subprocess on 8 CPU devices; returns the process.
 
     It writes every program it compiles to the session's compilation cache (conftest.py's,
@@ -116,20 +116,20 @@ def interrupted_runs(corpus, tmp_path_factory):
     straight, chain = str(root / "straight"), str(root / "chain")
     base = small_overrides(corpus)
     out = {"straight": straight, "chain": chain}
-    out["straight_proc"] = run_main(straight, base, corpus)
-    out["sigterm_proc"] = run_main(chain, {**base, "debug.sigterm_after_step": 3}, corpus)
+    out["straight_proc"] = run_main(straight, base)
+    out["sigterm_proc"] = run_main(chain, {**base, "debug.sigterm_after_step": 3})
     out["after_sigterm_steps"] = final_steps(chain)
     out["after_sigterm_losses"] = losses_by_step(chain)
     # A new workdir that starts from the chain's step 3 (config.resume_from: full state).
     out["other"] = other = str(root / "other")
     # SIGTERM again, during its last step: that step's save is the final one anyway.
     resume_from = {**base, "resume_from": chain, "debug.sigterm_after_step": 8}
-    out["resume_from_proc"] = run_main(other, resume_from, corpus)
+    out["resume_from_proc"] = run_main(other, resume_from)
     killed = {**base, "checkpoint_every_steps": 2, "debug.sigkill_after_save_at_step": 6}
-    out["sigkill_proc"] = run_main(chain, killed, corpus)
+    out["sigkill_proc"] = run_main(chain, killed)
     out["after_sigkill_dirs"] = sorted(os.listdir(checkpointing.checkpoint_dir(chain)))
     out["after_sigkill_steps"] = final_steps(chain)
-    out["resume_proc"] = run_main(chain, base, corpus)
+    out["resume_proc"] = run_main(chain, base)
     return out
 
 
