@@ -40,6 +40,7 @@ setup(
         "test": [
             "pytest>=8.0",
             "pytest-timeout>=2.3",
+            "pytest-xdist>=3.6",  # the suite runs one worker per core (pyproject addopts)
             "ruff>=0.6",
             "scipy>=1.13",
             "scikit-learn>=1.5",

@@ -25,7 +25,8 @@ from gcs import start as start_gcs_emulator  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 # A persistent compilation cache for this session only (set before anything compiles; child
-# processes such as the notebook kernel inherit it): programs that several tests compile
+# processes such as the notebook kernel and the pytest-xdist workers, started by the controller
+# after it imported this file, inherit it): programs that several tests compile
 # identically (a fine-tuning run, its resumed restart, an eval-only replay) compile once. A
 # fresh directory per session keeps the tests hermetic; a cache set by the caller is kept.
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
