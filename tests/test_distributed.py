@@ -15,11 +15,10 @@ tests/gcs.py), the 1-process resume starts from a copy of their step-3 checkpoin
 nothing may be written to their local working directory.
 
 The tiny model is that of test_train.py, the corpus conftest.py's `corpus` fixture (Austen as a
-TFDS dataset, a 1000-piece tokenizer). XLA's CPU backend is asked for unoptimized code
-(`--xla_backend_optimization_level=0`) in every run alike: this model is far too small for it to
-matter, and compiling takes most of the test's time (the two processes of the distributed run
-compile at the same time on the same cores, and the compile cache cannot be shared with the
-1-process runs).
+TFDS dataset, a 1000-piece tokenizer). Every run gets the XLA flags of every test process
+(`conftest.xla_flags`: unoptimized CPU code, this model is far too small for it to matter), and
+compiling takes most of the test's time (the two processes of the distributed run compile at the
+same time on the same cores, and the compile cache cannot be shared with the 1-process runs).
 """
 
 from __future__ import annotations
@@ -170,13 +169,12 @@ def pretrain_job(
     workdir, overrides, log_dir, *, processes, devices, jax_cache=None, cwd=None
 ) -> Job:
     """The tiny pretraining config with `overrides` as a `Job` of `devices` CPU devices per
-    process, at XLA's lowest backend optimization level (see the module docstring); run in
+    process (the tests' XLA flags, see the module docstring); run in
     `cwd` when given (the config file then by its absolute path), else in the repository."""
     args, env = main_command(
         workdir,
         overrides,
         devices,
-        "--xla_backend_optimization_level=0",
         JAX_NUM_CPU_DEVICES=str(devices),
         TF_CPP_MIN_LOG_LEVEL="2",
     )

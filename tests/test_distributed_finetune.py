@@ -23,6 +23,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from conftest import xla_flags
 from test_distributed import Job, assert_one_writer, assert_preempted_together
 from test_finetune import _override, task_files, tiny_tokenizer_path
 from test_finetune_resume import _losses
@@ -60,7 +61,7 @@ def finetune_command(workdir, fields: dict[str, object], devices: int):
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": xla_flags(devices),
         "JAX_NUM_CPU_DEVICES": str(devices),
         "TF_CPP_MIN_LOG_LEVEL": "2",
     }

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import xla_flags
 from test_finetune import sentiment_tiny_config as _config
 from test_finetune import sentiment_tiny_run, tiny_tokenizer_path
 
@@ -177,7 +178,7 @@ def test_restore_numpy_reads_an_8_device_checkpoint_anywhere(runs, tmp_path, dev
     target = str(tmp_path / "restored.npz")
     script = _RESTORE.format(repo=REPO, devices=devices, workdir=workdir, step=STEPS, target=target)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices)
     env["JAX_NUM_CPU_DEVICES"] = str(devices)
     proc = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300

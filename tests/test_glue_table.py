@@ -16,6 +16,7 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
+from conftest import xla_flags
 from test_finetune import TINY_MODEL, VOCAB_SIZE, tiny_tokenizer_path
 
 from albert_jax import glue_table
@@ -80,7 +81,7 @@ def local_data(tmp_path_factory, shared_data) -> str:
 def run_cli(init: str, tasks: str, workdir: str, local_data: str) -> subprocess.CompletedProcess:
     """`python -m albert_jax.glue_table` on one CPU device (the tests' 8 virtual devices would
     only add SPMD compilation and device transfers to these tiny runs)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}
     command = [
         sys.executable, "-m", "albert_jax.glue_table", f"--init={init}", f"--tasks={tasks}",
         f"--workdir={workdir}", f"--local_data={local_data}", *OVERRIDES,

@@ -18,6 +18,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from conftest import xla_flags
 
 from albert_jax import checkpointing, metrics_writer, train
 from configs import pretrain
@@ -64,15 +65,14 @@ def make_config(overrides):
     return config
 
 
-def main_command(workdir, overrides, devices, xla_flags="", **env):
+def main_command(workdir, overrides, devices, **env):
     """(argv, environment) of `python -m albert_jax.main` on the tiny config with `overrides`,
     on `devices` CPU devices; `env` adds variables."""
     args = [
         sys.executable, "-m", "albert_jax.main", "--config=configs/pretrain.py:size=tiny",
         f"--workdir={workdir}",
     ] + [f"--config.{k}={v}" for k, v in overrides.items()]  # fmt: skip
-    flags = f"--xla_force_host_platform_device_count={devices} {xla_flags}".strip()
-    return args, {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags, **env}
+    return args, {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(devices), **env}
 
 
 def run_main(workdir, overrides, timeout=600):
