@@ -169,8 +169,8 @@ def pretrain_job(
     workdir, overrides, log_dir, *, processes, devices, jax_cache=None, cwd=None
 ) -> Job:
     """The tiny pretraining config with `overrides` as a `Job` of `devices` CPU devices per
-    process (the tests' XLA flags, see the module docstring); run in
-    `cwd` when given (the config file then by its absolute path), else in the repository."""
+    process (the tests' XLA flags, see the module docstring); run in `cwd` when given (the
+    config file then by its absolute path), else in the repository."""
     args, env = main_command(
         workdir,
         overrides,
