@@ -167,9 +167,9 @@ class FineTuning:
         self.packed_shapes: set[packing.PackPlan] = set()  # packed training shapes so far
         self.packing = bool(config.pack_examples) and self.kind.packable
         # Packed rows per seed: a multiple of the data shards and processes that split them,
-        # coarse enough (~batch/8) to bound the compiled shapes.
-        split = math.lcm(rows, jax.process_count())
-        self.row_granularity = split * max(1, int(config.batch_size) // (8 * split))
+        # and no coarser: on sentiment_rt at batch 32, multiples of 4 rows cost 8% more tokens
+        # than multiples of 1 (32.4 against 30.0 a row) for 2 shapes instead of 4.
+        self.row_granularity = math.lcm(rows, jax.process_count())
         self.report: dict[str, Any] | None = None  # InitReport.as_dict()
         self.results: dict[str, Any] = {}  # of the last evaluation
         self.predictions: dict[int, list[Any]] = {}  # {seed: [predictions of each eval set]}

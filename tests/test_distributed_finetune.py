@@ -1,7 +1,9 @@
 """Multi-host fine-tuning on localhost: `python -m albert_jax.main --config=configs/finetune.py`
 as two processes with 4 CPU devices each under `jax.distributed`, against the same config run
-in this process on 8 devices: sentiment_rt from scratch on the `tiny` preset, 12 steps, dropout
-on, params sharded over a (data 2, fsdp 2, tensor 2) mesh, checkpoints every 4 steps.
+in this process on 8 devices: sentiment_rt from scratch on the `tiny` preset, two seeds in one
+program (`num_seeds=2`: a seed axis on the state, each seed its own head, dropout and data
+order), 12 steps, dropout on, params sharded over a (data 2, fsdp 2, tensor 2) mesh,
+checkpoints every 4 steps.
 
 Every process reads the whole global batch and puts only its own rows on its devices
 (`sharding.process_rows`); predictions come back to every process from both
@@ -9,9 +11,9 @@ Every process reads the whole global batch and puts only its own rows on its dev
 run is preempted on the way: process 0 alone gets SIGTERM after step 6 (one host's notice),
 JAX's preemption service passes it on and makes both agree on that step to save, and a second
 2-process job resumes from it.
-The result must still match the 1-process run step by step (to fp32 rounding: the collectives
-now cross processes), predict the same labels, and the checkpoint the two processes write
-together must hold the same parameters.
+The result must still match the 1-process run step by step, for each seed (to fp32 rounding:
+the collectives now cross processes), predict the same labels, and the checkpoint the two
+processes write together must hold the same parameters.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ import pytest
 from conftest import xla_flags
 from test_distributed import Job, assert_one_writer, assert_preempted_together
 from test_finetune import _override, task_files, tiny_tokenizer_path
-from test_finetune_resume import _losses
 
-from albert_jax import checkpointing, finetune
+from albert_jax import checkpointing, finetune, metrics_writer
 from configs.finetune import get_config
 
 STEPS = 12
+SEEDS = ("0", "1")  # config.seed 0, num_seeds 2
 SIGTERM_AFTER = 6
 TASK = "sentiment_rt"
 
@@ -47,7 +49,7 @@ def overrides(tokenizer: str, shared_data: str) -> dict[str, object]:
         "num_train_steps": STEPS, "warmup_steps": 2, "learning_rate": 1e-3, "batch_size": 32,
         "eval_batch_size": 64, "max_seq_length": 32, "log_every_steps": 1,
         "checkpoint_every_steps": 4, "keep_checkpoints": 5,
-        "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2,
+        "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "num_seeds": len(SEEDS),
     }  # fmt: skip
 
 
@@ -97,6 +99,10 @@ def runs(tmp_path_factory, shared_data):
     return out
 
 
+def _losses(workdir: str, key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in metrics_writer.read_metrics(workdir) if key in r}
+
+
 def _read(workdir: str, name: str) -> str:
     with open(os.path.join(workdir, name)) as f:
         return f.read()
@@ -107,18 +113,25 @@ def test_two_processes_train_and_predict_as_one(runs):
     dist, single = runs["dist"], runs["single"]
     dist.check()
     assert "process 1/2, 8 devices" in dist.logs[1]
-    # Same losses at every step: each process fed its half of every global batch.
-    got, expected = _losses(dist.workdir), _losses(single)
-    assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
-    np.testing.assert_allclose([got[s] for s in expected], list(expected.values()), rtol=1e-5)
-    assert len(set(got.values())) == STEPS  # the batches do change from step to step
+    # Same losses at every step, each seed's and their mean: each process fed its half of
+    # every global batch (of every seed).
+    for key in ("loss", *(f"loss/seed_{s}" for s in SEEDS)):
+        got, expected = _losses(dist.workdir, key), _losses(single, key)
+        assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
+        np.testing.assert_allclose([got[s] for s in expected], list(expected.values()), rtol=1e-5)
+        assert len(set(got.values())) == STEPS  # the batches do change from step to step
+    assert _losses(single, "loss/seed_0") != _losses(single, "loss/seed_1")  # two runs, not one
 
-    # The same 128 predictions, gathered from both processes in order.
+    # The same 128 predictions of each seed, gathered from both processes in order.
     results = json.loads(_read(dist.workdir, finetune.EVAL_RESULTS_FILE))
     expected_results = json.loads(_read(single, finetune.EVAL_RESULTS_FILE))
-    assert results["num_examples"] == 128 and results["step"] == STEPS
-    assert results["accuracy"] == expected_results["accuracy"]
-    assert _read(dist.workdir, "predictions.jsonl") == _read(single, "predictions.jsonl")
+    assert results["num_seeds"] == len(SEEDS) and results["step"] == STEPS
+    for seed in SEEDS:
+        assert results["per_seed"][seed]["num_examples"] == 128
+        assert results["per_seed"][seed] == expected_results["per_seed"][seed]
+        predictions = os.path.join(f"seed_{seed}", "predictions.jsonl")
+        assert _read(dist.workdir, predictions) == _read(single, predictions)
+    assert results["median"] == expected_results["median"]
     assert "eval: accuracy" in dist.logs[0] and "eval: accuracy" in dist.logs[1]
 
     # The final checkpoint, written by both processes (each its parameter shards).
@@ -150,4 +163,6 @@ def test_only_process_zero_writes(runs):
     dist.check()
     assert_one_writer(dist.workdir, STEPS, jobs=2)  # the preempted job and its restart
     results = json.loads(_read(dist.workdir, finetune.EVAL_RESULTS_FILE))
-    assert results["prediction_files"] == [os.path.join(dist.workdir, "predictions.jsonl")]
+    assert results["prediction_files"] == [
+        os.path.join(dist.workdir, f"seed_{seed}", "predictions.jsonl") for seed in SEEDS
+    ]

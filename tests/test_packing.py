@@ -69,13 +69,13 @@ def test_shapes_are_few_and_bounded_on_real_features(tmp_path_factory, shared_da
     plans, packed_tokens, dynamic_tokens = set(), 0, 0
     for step in range(len(arrays["label"]) // 32):
         batch = train_batch(arrays, step, 32, seed=0)
-        plan, _ = packing.plan_packing([batch], 512, row_granularity=4)
+        plan, _ = packing.plan_packing([batch], 512, row_granularity=1)  # one device
         plans.add(plan)
         packed_tokens += plan.rows * plan.row_length
         dynamic_tokens += 32 * int(batch["input_mask"].sum(1).max())
     assert {p.row_length for p in plans} <= set(bucket_lengths(512))
-    assert len(plans) <= len(bucket_lengths(512)) * 8 and len(plans) <= 6, sorted(plans)
-    assert packed_tokens < 0.65 * dynamic_tokens, (packed_tokens, dynamic_tokens)
+    assert len(plans) <= 6, sorted(plans)
+    assert packed_tokens < 0.6 * dynamic_tokens, (packed_tokens, dynamic_tokens)
 
 
 @pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])

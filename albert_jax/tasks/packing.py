@@ -19,7 +19,8 @@ loss stay per example, [B].
 Shapes are bounded: `row_length` is a length bucket of at least `MIN_ROW_LENGTH` tokens (or
 max_seq_length), the slots per row are `row_length // TOKENS_PER_SLOT`, and the row count is a
 multiple of `row_granularity` up to the batch size: log2 buckets x batch / granularity shapes
-at most (a handful in practice, logged by the caller).
+at most. In practice a handful, logged by the caller: a batch of B examples of about the same
+length fills between ceil(tokens / row_length) rows and one or two more.
 """
 
 from __future__ import annotations
