@@ -41,6 +41,7 @@ setup(
             "pytest>=8.0",
             "pytest-timeout>=2.3",
             "pytest-xdist>=3.6",  # the suite runs one worker per core (pyproject addopts)
+            "filelock>=3.12",  # tests/conftest.py: the workers build the session's runs once
             "ruff>=0.6",
             "scipy>=1.13",
             "scikit-learn>=1.5",

@@ -455,7 +455,7 @@ def main(argv: list[str]) -> None:
     FLAGS = flags.FLAGS
     try:
         tasks = expand_tasks(FLAGS.tasks)
-        _set_up_process(tasks)
+        process_setup.initialize_distributed()  # several processes: each runs the same sweep
         table = run_table(FLAGS.init, tasks, FLAGS.workdir, _overrides,
                           num_seeds=FLAGS.num_seeds, local_data=FLAGS.local_data)  # fmt: skip
     except ValueError as e:  # a bad flag or override: nothing ran
@@ -467,15 +467,6 @@ def main(argv: list[str]) -> None:
     if table["failed"]:
         logging.error("failed tasks: %s (see %s)", table["failed"], TABLE_JSON)
         sys.exit(1)
-
-
-def _set_up_process(tasks: Sequence[str]) -> None:
-    """What albert_jax.main does first: `jax.distributed.initialize()` when several processes
-    take part (each runs the same sweep), and TensorFlow, which reads the catalog tasks
-    (TFDS), kept off the accelerators that JAX needs."""
-    process_setup.initialize_distributed()
-    if not all(t in LOCAL_FILES for t in tasks):  # no TFDS, no TensorFlow (its import: seconds)
-        process_setup.hide_accelerators_from_tensorflow()
 
 
 def run() -> None:

@@ -52,8 +52,7 @@ def initialize_distributed() -> bool:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    process_setup.hide_accelerators_from_tensorflow()
-    initialize_distributed()
+    initialize_distributed()  # TensorFlow is kept off the accelerators where TFDS is first read
     import jax
 
     config = FLAGS.config

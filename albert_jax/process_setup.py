@@ -1,6 +1,8 @@
-"""What every entry point does first, before a config is read: join the other processes of a
-multi-host run, and keep TensorFlow (which only reads data, through TFDS) off the accelerators.
-No flags here, so that each CLI (main, glue_table) imports it beside its own."""
+"""Process-wide setup: joining the other processes of a multi-host run (what every entry point
+does first, before a config is read), and keeping TensorFlow, which only reads data through
+TFDS, off the accelerators (what the TFDS readers do before their first read: a run that reads
+no TFDS never imports TensorFlow, whose import costs seconds). No flags here, so that each CLI
+(main, glue_table) imports it beside its own."""
 
 from __future__ import annotations
 

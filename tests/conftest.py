@@ -27,11 +27,35 @@ SHARED_DATA = os.environ.get(
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+import pathlib  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+
+import filelock  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from gcs import start as start_gcs_emulator  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+def session_dir(tmp_path_factory) -> pathlib.Path:
+    """The directory every process of this test session shares. pytest-xdist gives each worker
+    a base temp of its own (BASE/popen-gwN), so what a session builds once lives in BASE."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def build_once(path: pathlib.Path, build: Callable[[], object], done=None) -> None:
+    """Runs `build()` unless `done()` (default: `path` exists), in one process of the session:
+    the others wait at a file lock beside `path` and then find it built. The session's data and
+    training runs go through this, or each xdist worker would build its own (minutes each).
+    `done()` is only asked under the lock: a run half-way may already look finished."""
+    done = done or path.exists
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(f"{path}.lock"):
+        if not done():
+            build()
+
 
 # A persistent compilation cache for this session only (set before anything compiles; child
 # processes such as the notebook kernel and the pytest-xdist workers, started by the controller
@@ -66,8 +90,9 @@ def tokenizer(tmp_path_factory, shared_data):
     from albert_jax.data import pretraining, sentences
     from albert_jax.data.tokenizer import Tokenizer, train_tokenizer
 
-    path = tmp_path_factory.getbasetemp() / "albert_spm" / "spm"
-    if not os.path.exists(str(path) + ".model"):
+    path = session_dir(tmp_path_factory) / "albert_spm" / "spm"
+
+    def build() -> None:
         texts = []
         for name in ("brown", "austen"):
             docs = pretraining.iter_jsonl_documents(
@@ -76,6 +101,8 @@ def tokenizer(tmp_path_factory, shared_data):
             for doc in itertools.islice(docs, 60):
                 texts.extend(sentences.split_sentences(doc["text"]))
         train_tokenizer(texts, str(path), vocab_size=3000, max_sentences=15000)
+
+    build_once(path.with_suffix(".model"), build)
     return Tokenizer(str(path) + ".model")
 
 
@@ -105,21 +132,26 @@ def corpus(tmp_path_factory, shared_data):
     from albert_jax.data import sentences, sources
     from albert_jax.data.tokenizer import train_tokenizer
 
-    root = tmp_path_factory.mktemp("corpus")
+    root = session_dir(tmp_path_factory) / "corpus"
     austen = os.path.join(shared_data, "corpora", "austen.jsonl.gz")
     spec = f"documents/austen={austen}"
     data_dir = str(root / "tfds")
-    sources.build_source(sources.parse_sources(spec)[0], data_dir=data_dir)
-    texts = []
-    with gzip.open(austen, "rt", encoding="utf-8") as f:
-        for line in f:
-            texts.extend(sentences.split_sentences(json.loads(line)["text"]))
-            if len(texts) > 6000:
-                break
-    tokenizer = train_tokenizer(texts, str(root / "spm"), vocab_size=1000, max_sentences=6000)
+    tokenizer = root / "spm.model"  # written last
+
+    def build() -> None:
+        sources.build_source(sources.parse_sources(spec)[0], data_dir=data_dir)
+        texts = []
+        with gzip.open(austen, "rt", encoding="utf-8") as f:
+            for line in f:
+                texts.extend(sentences.split_sentences(json.loads(line)["text"]))
+                if len(texts) > 6000:
+                    break
+        train_tokenizer(texts, str(root / "spm"), vocab_size=1000, max_sentences=6000)
+
+    build_once(tokenizer, build)
     return {
         "sources": spec,
         "data_dir": data_dir,
-        "tokenizer": tokenizer,
+        "tokenizer": str(tokenizer),
         "austen": austen,
     }

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import build_once, session_dir
 
 from albert_jax import finetune
 from albert_jax.pretrained import load_pretrained
@@ -58,9 +59,13 @@ def tiny_tokenizer_path(tmp_path_factory, shared_data: str) -> str:
     """A real 2000-piece sentencepiece model trained on Brown + Austen text (once per session)."""
     from albert_jax.data.tokenizer import train_tokenizer
 
-    prefix = tmp_path_factory.getbasetemp() / "finetune_spm" / "spm"
-    if not os.path.exists(f"{prefix}.model"):
-        train_tokenizer(_corpus_texts(shared_data, 40), str(prefix), VOCAB_SIZE, max_sentences=8000)
+    prefix = session_dir(tmp_path_factory) / "finetune_spm" / "spm"
+    build_once(
+        prefix.with_suffix(".model"),
+        lambda: train_tokenizer(
+            _corpus_texts(shared_data, 40), str(prefix), VOCAB_SIZE, max_sentences=8000
+        ),
+    )
     return f"{prefix}.model"
 
 
@@ -70,18 +75,23 @@ def pretrained_workdir(tmp_path_factory, shared_data: str, sharing: str = "all")
     from albert_jax import train
     from configs.pretrain import get_config as pretrain_config
 
-    root = tmp_path_factory.getbasetemp()
+    root = session_dir(tmp_path_factory)
     workdir = root / f"finetune_pretrained_{sharing}"
-    if (workdir / "metrics.jsonl").exists() and (workdir / "checkpoints").exists():
-        return str(workdir)
+    tokenizer = tiny_tokenizer_path(tmp_path_factory, shared_data)
     corpus = root / "finetune_corpus.jsonl.gz"
-    if not corpus.exists():
+
+    def write_corpus() -> None:
         with gzip.open(corpus, "wt", encoding="utf-8") as f:
             for name in ("austen", "brown"):
                 path = os.path.join(shared_data, "corpora", f"{name}.jsonl.gz")
                 with gzip.open(path, "rt", encoding="utf-8") as src:
                     for line in itertools.islice(src, 30):
                         f.write(line)
+
+    def pretrain() -> None:
+        build_once(corpus, write_corpus)
+        train.train_and_evaluate(config, str(workdir))
+
     config = pretrain_config(f"size=tiny,sharing={sharing},data=documents={corpus}")
     for key, value in {**TINY_MODEL, "vocab_size": VOCAB_SIZE}.items():
         config.model[key] = value
@@ -92,9 +102,14 @@ def pretrained_workdir(tmp_path_factory, shared_data: str, sharing: str = "all")
     config.log_every_steps, config.eval_every_steps, config.eval_batches = 10, 30, 2
     config.checkpoint_every_steps = 60
     config.data.data_dir = str(root / "finetune_tfds")  # the corpus, built once for both
-    config.data.tokenizer = tiny_tokenizer_path(tmp_path_factory, shared_data)
+    config.data.tokenizer = tokenizer
     config.data.num_workers = 0
-    train.train_and_evaluate(config, str(workdir))
+
+    # One lock for every `sharing`: their runs build the same TFDS corpus on first use.
+    def built() -> bool:
+        return (workdir / "metrics.jsonl").exists() and (workdir / "checkpoints").exists()
+
+    build_once(root / "finetune_pretrained", pretrain, done=built)
     return str(workdir)
 
 
@@ -270,12 +285,15 @@ def squad_shifts_config(init: str, shared_data: str, **overrides):
 
 
 def _cached_run(tmp_path_factory, name: str, make_config) -> str:
-    """Runs `finetune_and_evaluate(make_config(), BASETEMP/name)` once per session (cached on
-    disk like `pretrained_workdir`, so other test modules reuse the run); returns the workdir.
+    """Runs `finetune_and_evaluate(make_config(), DIR/name)` once per session (DIR: conftest's
+    `session_dir`, shared by the xdist workers, like `pretrained_workdir`), so other test
+    modules reuse the run; returns the workdir.
     A run left unfinished by an earlier failure resumes from its checkpoint."""
-    workdir = tmp_path_factory.getbasetemp() / name
-    if not (workdir / finetune.EVAL_RESULTS_FILE).exists():
-        finetune.finetune_and_evaluate(make_config(), str(workdir))
+    workdir = session_dir(tmp_path_factory) / name
+    build_once(
+        workdir / finetune.EVAL_RESULTS_FILE,
+        lambda: finetune.finetune_and_evaluate(make_config(), str(workdir)),
+    )
     return str(workdir)
 
 

@@ -17,6 +17,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from conftest import build_once, session_dir
 from test_train import REPO, make_config, small_overrides
 
 from albert_jax import metrics_writer, train
@@ -192,15 +193,18 @@ def tiny_run(corpus, workdir, objective):
 
 def sop_run(corpus, tmp_path_factory) -> tuple[str, dict]:
     """(workdir, result) of a tiny SOP run (test_train's model: all-shared, 2 layers; 6 steps,
-    evaluated at step 6 on 2 held-out batches), pretrained once per session and cached on disk
-    like test_finetune's `pretrained_workdir`: these tests' run, and test_analysis's init.
-    `result` is what `train_and_evaluate` returned, kept next to the workdir."""
-    root = tmp_path_factory.getbasetemp()
+    evaluated at step 6 on 2 held-out batches), pretrained once per session (conftest's
+    `build_once`) like test_finetune's `pretrained_workdir`: these tests' run, and
+    test_analysis's init. `result` is what `train_and_evaluate` returned, kept beside it."""
+    root = session_dir(tmp_path_factory)
     workdir, saved = root / "sop_diagnostics_run", root / "sop_diagnostics_run.result.json"
-    if not saved.exists():
+
+    def run() -> None:
         shutil.rmtree(workdir, ignore_errors=True)  # a run an earlier failure left unfinished
         result = tiny_run(corpus, str(workdir), "sop")
         saved.write_text(json.dumps(result, default=float))
+
+    build_once(saved, run)
     return str(workdir), json.loads(saved.read_text())
 
 

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from albert_jax import (  # every module the training and fine-tuning paths import
-    checkpointing, convert, finetune, loop, pretrained, train, train_step,
+    checkpointing, convert, finetune, glue_table, loop, main, pretrained, train, train_step,
 )
 from albert_jax.model import AlbertForPreTraining
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh

@@ -32,7 +32,7 @@ from typing import Any
 
 from absl import app, flags, logging
 
-from albert_jax import files, process_setup
+from albert_jax import files
 from albert_jax.train_config import RUN_CONFIG_FILE
 
 TASKS = ("nsp", "sop")  # the evaluation columns, as objectives of the data pipeline
@@ -261,7 +261,6 @@ def main(argv: list[str]) -> None:
     if not sweep and not FLAGS.output:
         raise app.UsageError("--workdirs needs --output")
     output = FLAGS.workdir if sweep else FLAGS.output
-    process_setup.hide_accelerators_from_tensorflow()  # TFDS reads the data, JAX runs the model
     try:
         workdirs = run_sweep(FLAGS.config, FLAGS.workdir) if sweep else FLAGS.workdirs
         if not workdirs:

@@ -57,7 +57,7 @@ from absl import logging
 from tensorflow_datasets.core.dataset_info import DatasetInfoFileError
 
 from albert_jax import files
-from albert_jax.data.builders.base import LocalTextBuilder, counters, hide_gpus_from_tensorflow
+from albert_jax.data.builders.base import LocalTextBuilder, counters
 from albert_jax.data.builders.books import Books, BooksConfig
 from albert_jax.data.builders.demo import Demo
 from albert_jax.data.builders.documents import Documents, DocumentsConfig
@@ -69,6 +69,7 @@ from albert_jax.data.builders.prepared import (
 )
 from albert_jax.data.builders.text_files import resolve_files
 from albert_jax.data.builders.wikipedia_dump import WikipediaDump, WikipediaDumpConfig
+from albert_jax.process_setup import hide_accelerators_from_tensorflow
 
 CATALOG_WIKIPEDIA = "wikipedia/20230601.en"
 # BERT §3.1: "BooksCorpus (800M words) and English Wikipedia (2,500M words)".
@@ -286,7 +287,7 @@ def build_source(
     """
     source = _as_source(source)
     data_dir = _resolve_data_dir(data_dir)
-    hide_gpus_from_tensorflow()
+    hide_accelerators_from_tensorflow()
     if not source.is_local:
         if files:
             raise ValueError(f"files: catalog dataset {source.name!r} takes no files")

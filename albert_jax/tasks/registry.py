@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from albert_jax import files as file_io
+from albert_jax import process_setup
 from albert_jax.tasks import glue, local, race, squad
 from albert_jax.tasks.batching import Features
 from albert_jax.tasks.kinds import get_kind
@@ -117,6 +118,7 @@ def _read(name: str, data: Any, files: str, split: str, max_examples: int) -> Ev
             "--config.data.eval_files"
         )
     else:
+        process_setup.hide_accelerators_from_tensorflow()  # TFDS reads through TensorFlow
         data_dir = data.get("data_dir")
         if spec.source == "glue":
             examples = glue.read_glue(name, split, data_dir=data_dir, stats=stats)

@@ -30,7 +30,6 @@ pipeline needs (it reads each shard once, into its tokenized cache). `file_forma
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import hashlib
 import os
@@ -45,6 +44,7 @@ from absl import logging
 from albert_jax.data.builders.prepared import fingerprint, new_build_id
 from albert_jax.data.builders.text_files import resolve_files
 from albert_jax.files import is_local
+from albert_jax.process_setup import hide_accelerators_from_tensorflow
 
 TRAIN = "train"
 VALIDATION = "validation"
@@ -111,13 +111,6 @@ class _SplitSelector:
         return selected
 
 
-def hide_gpus_from_tensorflow() -> None:
-    """Keeps TensorFlow (used here only to read and write files) off the accelerators JAX uses."""
-    # RuntimeError: TF's devices are already initialized (hidden earlier, or in use): too late.
-    with contextlib.suppress(RuntimeError):
-        tf.config.set_visible_devices([], "GPU")
-
-
 class Tally:
     """Counters of one split's pass; input counters only count in the `train` pass."""
 
@@ -149,7 +142,7 @@ class LocalTextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     DESCRIPTION = ""
 
     def __init__(self, *, file_format: str | None = None, **kwargs: Any):
-        hide_gpus_from_tensorflow()
+        hide_accelerators_from_tensorflow()
         super().__init__(file_format=file_format, **kwargs)
         # New datasets get the format of their data dir; a prepared one keeps its own.
         if file_format is None and not self.is_prepared():
