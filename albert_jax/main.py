@@ -52,7 +52,7 @@ def initialize_distributed() -> bool:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    initialize_distributed()  # TensorFlow is kept off the accelerators where TFDS is first read
+    initialize_distributed()  # TensorFlow: kept off the accelerators where it is first used
     import jax
 
     config = FLAGS.config

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from albert_jax import files
+from albert_jax import files, process_setup
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -73,7 +73,9 @@ class MetricsWriter:
         files.as_path(workdir).mkdir(parents=True, exist_ok=True)
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-        # Through tf.io.gfile when TensorFlow is installed, so gs:// works as well.
+        # Through tf.io.gfile when TensorFlow is installed, so gs:// works as well; TensorBoard
+        # imports it then, and it must stay off the accelerators.
+        process_setup.hide_accelerators_from_tensorflow()
         self._tb = EventFileWriter(str(files.as_path(workdir) / TENSORBOARD_DIR))
         if not files.is_local(self.path):
             self._records = read_metrics(self.path)

@@ -1,8 +1,9 @@
 """Process-wide setup: joining the other processes of a multi-host run (what every entry point
-does first, before a config is read), and keeping TensorFlow, which only reads data through
-TFDS, off the accelerators (what the TFDS readers do before their first read: a run that reads
-no TFDS never imports TensorFlow, whose import costs seconds). No flags here, so that each CLI
-(main, glue_table) imports it beside its own."""
+does first, before a config is read), and keeping TensorFlow off the accelerators. TensorFlow
+only reads data (TFDS) and writes TensorBoard files here; the TFDS readers and the metrics
+writer hide the accelerators from it just before its first use, so a process that uses neither
+(an evaluation-only script, a notebook reading checkpoints) never imports it. No flags here, so
+that each CLI (main, glue_table) imports it beside its own."""
 
 from __future__ import annotations
 
