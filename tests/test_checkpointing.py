@@ -243,3 +243,29 @@ def test_readers_and_task_head_weights(tmp_path):
         checkpointing.read_json_item(missing)
     with pytest.raises(ValueError, match=re.escape(f"{missing}/checkpoints holds no finished")):
         checkpointing.latest_step_dir(missing)
+
+
+def test_saving_replicated_arrays_compiles_nothing(tmp_path, caplog):
+    """Arrays replicated over the 8 test devices are written from their replica-0 shards:
+    Orbax's replica-parallel default would first jit a slice per array and replica (seconds
+    at each process's first save, see checkpointing.py)."""
+    mesh = create_mesh((4, 2, 1))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    fsdp = NamedSharding(mesh, PartitionSpec("fsdp"))
+    params = {f"w{i}": jax.device_put(np.full((8, 6 + i), i, np.float32), replicated)
+              for i in range(4)}  # fmt: skip
+    params["sharded"] = jax.device_put(np.arange(16, dtype=np.float32).reshape(8, 2), fsdp)
+    jax.block_until_ready(params)
+    with (
+        jax.log_compiles(),
+        caplog.at_level("DEBUG"),
+        checkpointing.Checkpointer(str(tmp_path), every_steps=1) as ckpt,
+    ):
+        _save_simple(ckpt, 1, params)
+        ckpt.wait()
+    compiled = [r.getMessage() for r in caplog.records if "XLA compilation" in r.getMessage()]
+    assert not compiled, compiled[:3]
+    with checkpointing.Checkpointer(str(tmp_path), read_only=True) as ckpt:
+        restored = ckpt.restore_numpy(1)
+    for name, value in params.items():
+        np.testing.assert_array_equal(restored[name], np.asarray(value))
