@@ -58,14 +58,15 @@ def _save_arrays_from_replica_zero() -> None:
     it. The writes it spreads over replicas are small for ALBERT's few, FSDP-sharded arrays;
     its compiles are paid again by every process at every (re)start. Orbax's setting is
     process-wide; registering it logs a warning about the override, silenced here."""
-    level = logging.get_verbosity()
-    logging.set_verbosity(logging.ERROR)
+    absl_logger = logging.get_absl_logger()
+    level = absl_logger.level  # restored as it was (usually unset, so callers' levels apply)
+    absl_logger.setLevel("ERROR")
     try:
         ocp.type_handlers.register_type_handler(
             jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True
         )
     finally:
-        logging.set_verbosity(level)
+        absl_logger.setLevel(level)
 
 
 _save_arrays_from_replica_zero()
