@@ -16,7 +16,9 @@ interleaving spreads the drift of a shared machine over all of them, so same-run
 - hf_flax: transformers 4.x `FlaxAlbertForPreTraining` (computes MLM logits at every position;
   the loss then reads the masked ones), optax AdamW, one `jax.jit` with donated state.
 - hf_torch: transformers `AlbertForPreTraining` with `labels` = -100 outside the masked
-  positions, `torch.optim.AdamW`, eval mode (no dropout), torch threads = CPU cores.
+  positions, `torch.optim.AdamW`, eval mode (no dropout), on the GPU when torch sees one, else
+  on all CPU cores; in bfloat16 under `torch.autocast` with SDPA attention
+  (`benchmarks/torch_peer.py`).
 - kerashub: keras-hub's `AlbertBackbone` + `MaskedLMHead` on the masked positions + a `Dense(2)`
   SOP head, Keras 3 on the JAX backend, built from ours' model config (same parameter count:
   `kerashub_params` = `ours_params`); `model.stateless_call(..., training=True)` inside one
@@ -25,17 +27,25 @@ interleaving spreads the drift of a shared machine over all of them, so same-run
 
 `X_over_Y` = the median over rounds of Y's step time / X's step time in the same round.
 
+`--dtype=bfloat16` is mixed precision for every contender: float32 parameters and optimizer
+state, bfloat16 matmuls (ours: `model.dtype`; HF Flax: its `dtype`; HF PyTorch: autocast);
+KerasHub is then left out. `--attention` is ours' `model.attention_impl` (`cudnn`: the fused
+kernel, GPU only). `--profile=DIR` traces `--profile_steps` more steps of ours after the timed
+rounds and adds `ours_profile`, the op totals per step (`benchmarks/trace_summary.py`).
+
 MFU counts model FLOPs honestly (`albert_jax.flops`): every layer
 application, attention, the E→H projection, the MLM head on the predicted positions only, the
 pooler and SOP classifier, training = 3 × forward; the last layer counts its keys and values at
 all S tokens and the rest at the 1 + P rows the loss reads, which is what the task needs (and
 what ours computes). The same model FLOPs are credited to every
-contender, so MFU ratios equal throughput ratios. The peak is the float32 matmul FLOP/s that
-`jax.jit(jnp.matmul)` reaches in this process (`--peak_size`), measured before and after the
-contenders (best of both), since a CPU has no trustworthy spec-sheet figure. When torch is
-installed, `torch_matmul_peak_gflops` reports the same square matmul through `torch.matmul`
-(oneDNN/MKL), measured alongside: the ceiling of the PyTorch peer, which bounds how far any
-contender can outrun it (MFU stays against the XLA peak).
+contender, so MFU ratios equal throughput ratios. On a CPU the peak is the matmul FLOP/s (in
+`--dtype`) that `jax.jit(jnp.matmul)` reaches in this process (`--peak_size`), measured before
+and after the contenders (best of both), since a CPU has no trustworthy spec-sheet figure; on an
+accelerator it is the device's spec-sheet dense peak in `--dtype` (`flops.device_peak_flops`:
+989 TFLOP/s for an H200 in bfloat16), and the measured matmul is reported beside it. When torch
+is installed, `torch_matmul_peak_gflops` reports the same square matmul through `torch.matmul`
+on torch's device, measured alongside: the ceiling of the PyTorch peer (MFU stays against the
+peak above).
 """
 
 from __future__ import annotations
@@ -65,7 +75,7 @@ from albert_jax import flops, train  # noqa: E402
 from albert_jax.config import ModelConfig  # noqa: E402
 from albert_jax.model import AlbertForPreTraining  # noqa: E402
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh  # noqa: E402
-from benchmarks import kerashub_peer  # noqa: E402
+from benchmarks import kerashub_peer, torch_peer, trace_summary  # noqa: E402
 from configs import pretrain  # noqa: E402
 
 LEARNING_RATE = 1e-4  # constant: the schedule does not change the work of a step
@@ -128,6 +138,8 @@ def ours_config(args: argparse.Namespace, scan: bool = True) -> Any:
     config.weight_decay = WEIGHT_DECAY
     if args.remat:
         config.model.remat_policy = args.remat
+    config.model.dtype = args.dtype
+    config.model.attention_impl = args.attention
     config.model.scan_layers = scan
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 1
     return config
@@ -215,7 +227,9 @@ def hf_flax(args: argparse.Namespace, batch: dict[str, Any]) -> dict[str, Any] |
         from transformers import FlaxAlbertForPreTraining
     except ImportError:
         return None
-    model = FlaxAlbertForPreTraining(hf_config(args), input_shape=(1, args.seq), seed=0)
+    model = FlaxAlbertForPreTraining(
+        hf_config(args), input_shape=(1, args.seq), seed=0, dtype=getattr(jnp, args.dtype)
+    )
     module = model.module
     tx = peer_adamw()
     params = model.params
@@ -248,6 +262,9 @@ def hf_flax(args: argparse.Namespace, batch: dict[str, Any]) -> dict[str, Any] |
 
 def kerashub(args: argparse.Namespace, batch: dict[str, Any]) -> dict[str, Any] | None:
     """KerasHub's `AlbertBackbone` + `MaskedLMHead` + SOP `Dense(2)` (`kerashub_peer.py`)."""
+    if args.dtype != "float32":
+        print("kerashub skipped: the peer is built in float32 only", file=sys.stderr)
+        return None
     # Ours' model config, so both have the same parameters (`*_params` in the JSON).
     model = kerashub_peer.build_model(train.model_config_from(ours_config(args)))
     if model is None:
@@ -256,51 +273,25 @@ def kerashub(args: argparse.Namespace, batch: dict[str, Any]) -> dict[str, Any] 
     return dict(jitted_peer(train_step, state, batch), params=kerashub_peer.num_params(model))
 
 
-def torch_matmul_peak(size: int, repeats: int) -> float | None:
-    """FLOP/s of a float32 [size, size] `torch.matmul` on the CPU, best of `repeats`."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    torch.set_num_threads(os.cpu_count() or 1)
-    generator = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(size, size, generator=generator) for _ in range(2))
-    # torch on the CPU is synchronous: the call returns with the product computed.
-    return flops.square_matmul_flops(lambda: torch.matmul(a, b), size, repeats)
+def xla_matmul_peak(size: int, repeats: int, dtype: str) -> float:
+    """FLOP/s of a jitted [size, size] matmul in `dtype` on JAX's first device, best of
+    `repeats` (in float32 on a CPU: `flops.measure_cpu_matmul_peak`'s protocol)."""
+    keys = jax.random.split(jax.random.key(0))
+    a, b = (jax.random.normal(k, (size, size), getattr(jnp, dtype)) for k in keys)
+    matmul = jax.jit(jnp.matmul)
+    return flops.square_matmul_flops(lambda: matmul(a, b).block_until_ready(), size, repeats)
 
 
 def hf_torch(args: argparse.Namespace, batch: dict[str, Any]) -> dict[str, Any] | None:
-    try:
-        import torch
-        from transformers import AlbertForPreTraining as TorchAlbert
-    except ImportError:
-        return None
-    torch.manual_seed(0)
-    torch.set_num_threads(os.cpu_count() or 1)
-    model = TorchAlbert(hf_config(args)).eval()  # eval: no dropout anywhere (SOP head too)
-    opt = torch.optim.AdamW(
-        model.parameters(),
-        lr=LEARNING_RATE,
-        betas=(0.9, 0.999),
-        eps=1e-6,
-        weight_decay=WEIGHT_DECAY,
-    )
-    labels = np.full(batch["input_ids"].shape, -100, np.int64)
-    np.put_along_axis(labels, batch["masked_lm_positions"], batch["masked_lm_ids"], 1)
-    inputs = dict(
-        input_ids=torch.from_numpy(batch["input_ids"].astype(np.int64)),
-        attention_mask=torch.from_numpy(batch["input_mask"].astype(np.int64)),
-        token_type_ids=torch.from_numpy(batch["segment_ids"].astype(np.int64)),
-        labels=torch.from_numpy(labels),
-        sentence_order_label=torch.from_numpy(batch["sentence_order_label"].astype(np.int64)),
-    )
+    return torch_peer.hf_torch(hf_config(args), batch, args.dtype, LEARNING_RATE, WEIGHT_DECAY)
 
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        model(**inputs).loss.backward()
-        opt.step()
 
-    return dict(step=step, compile_s=0.0)
+def profile_ours(step: Callable[[], None], directory: str, steps: int) -> dict[str, Any]:
+    """`steps` steps of ours under `jax.profiler.trace(directory)`: their op totals per step."""
+    with jax.profiler.trace(directory):
+        for _ in range(steps):
+            step()
+    return trace_summary.summarize(trace_summary.newest_trace(directory), steps)
 
 
 def main() -> None:
@@ -319,13 +310,19 @@ def main() -> None:
     parser.add_argument("--peak_size", type=int, default=2048, help="square matmul for the peak")
     parser.add_argument("--no_hf", action="store_true", help="skip both HF peers")
     parser.add_argument("--no_kerashub", action="store_true", help="skip the KerasHub peer")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--attention", default="xla", help="ours' model.attention_impl")
+    parser.add_argument("--profile", default="", help="trace steps of ours to this directory")
+    parser.add_argument("--profile_steps", type=int, default=3)
     args = parser.parse_args()
 
     model_config = ModelConfig.preset(args.size)
     batch = make_batch(args.batch, args.seq, args.preds, model_config.vocab_size)
     step_flops = train.train_step_flops(model_config, args.batch, args.seq, args.preds)
-    peaks = [flops.measure_cpu_matmul_peak.__wrapped__(args.peak_size, 5)]
-    torch_peak_before = None if args.no_hf else torch_matmul_peak(args.peak_size, 5)
+    peaks = [xla_matmul_peak(args.peak_size, 5, args.dtype)]
+    torch_peak_before = None
+    if not args.no_hf:
+        torch_peak_before = torch_peer.matmul_peak(args.peak_size, 5, args.dtype)
 
     # ours: the default config (nn.scan over the layers: compile time independent of depth);
     # ours_unrolled: model.scan_layers=False, a Python loop over the layers (same math and
@@ -343,22 +340,33 @@ def main() -> None:
         if run is not None:
             runs["kerashub"] = run
     times = time_interleaved({k: r["step"] for k, r in runs.items()}, args.warmup, args.steps)
-    peaks.append(flops.measure_cpu_matmul_peak.__wrapped__(args.peak_size, 5))
-    peak = max(peaks)
+    peaks.append(xla_matmul_peak(args.peak_size, 5, args.dtype))
+    device = jax.devices()[0]
+    on_cpu = device.platform == "cpu"
+    # A CPU's measured matmul rate; an accelerator's spec-sheet peak in the compute dtype.
+    peak = max(peaks) if on_cpu else flops.device_peak_flops(device, args.dtype)
     torch_peaks = []
     if torch_peak_before is not None:  # torch is installed and the peers ran
-        torch_peaks = [torch_peak_before, torch_matmul_peak(args.peak_size, 5)]
+        torch_peaks = [torch_peak_before, torch_peer.matmul_peak(args.peak_size, 5, args.dtype)]
+    profile = None
+    if args.profile:
+        profile = profile_ours(runs["ours"]["step"], args.profile, args.profile_steps)
 
     result: dict[str, Any] = {
         "benchmark": "train_step",
         "backend": jax.default_backend(),
+        "device_kind": device.device_kind,
+        "dtype": args.dtype,
+        "attention": args.attention,
         "size": args.size,
         "batch": args.batch,
         "seq": args.seq,
         "preds": args.preds,
         "cpu_cores": os.cpu_count(),
         "model_gflop_per_step": round(step_flops / 1e9, 2),
-        "matmul_peak_gflops": round(peak / 1e9, 1),
+        "mfu_peak_gflops": round(peak / 1e9, 1),
+        "mfu_peak_source": "measured matmul" if on_cpu else "spec sheet",
+        "matmul_peak_gflops": round(max(peaks) / 1e9, 1),
         "matmul_peak_gflops_before_after": [round(p / 1e9, 1) for p in peaks],
     }
     if torch_peaks:
@@ -373,12 +381,17 @@ def main() -> None:
             result[f"{name}_compile_s"] = round(run["compile_s"], 1)
         if "params" in run:
             result[f"{name}_params"] = run["params"]
+        for key in ("device", "attention"):
+            if key in run:
+                result[f"{name}_{key}"] = run[key]
     for name in ("ours", "ours_unrolled"):
         for peer in ("hf_flax", "hf_torch", "kerashub"):
             if name in runs and peer in runs:
                 # Paired by round: a slow round (a neighbour's burst) slows both alike.
                 paired = [p / o for p, o in zip(times[peer], times[name], strict=True)]
                 result[f"{name}_over_{peer}"] = round(statistics.median(paired), 3)
+    if profile is not None:
+        result["ours_profile"] = profile
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     sys.stdout.flush()
 

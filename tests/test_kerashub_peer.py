@@ -14,7 +14,9 @@ from albert_jax.model import AlbertForPreTraining
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
 from benchmarks import kerashub_peer, train_step
 
-ARGS = argparse.Namespace(size="tiny", batch=2, seq=32, preds=4, remat="")
+ARGS = argparse.Namespace(
+    size="tiny", batch=2, seq=32, preds=4, remat="", dtype="float32", attention="xla"
+)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
-"""Accelerator images often have no TensorFlow / TFDS (they only build data here): everything but
-data building must import and run without them. A subprocess where `import tensorflow` and
-`import tensorflow_datasets` fail runs the model, LAMB and the jitted training step."""
+"""Accelerator images often have no TensorFlow / TFDS / blingfire (they only build data here):
+everything but data building must import and run without them. A subprocess where `import
+tensorflow`, `import tensorflow_datasets` and `import blingfire` fail runs the model, LAMB and
+the jitted training step, and imports the train-step and speed-up benchmarks."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # raise ImportError), then trains a tiny model two LAMB steps through the loop's own step.
 _SCRIPT = r"""
 import sys
-for name in ("tensorflow", "tensorflow_datasets"):
+BLOCKED = ("tensorflow", "tensorflow_datasets", "blingfire")
+for name in BLOCKED:
     sys.modules[name] = None
 import json
 
@@ -28,6 +30,7 @@ from albert_jax import (  # every module the training and fine-tuning paths impo
 )
 from albert_jax.model import AlbertForPreTraining
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
+from benchmarks import speedup, train_step as train_step_benchmark  # what a GPU run imports
 from configs import pretrain
 
 config = pretrain.get_config("size=tiny")
@@ -59,7 +62,7 @@ with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
     for _ in range(2):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
-for name in ("tensorflow", "tensorflow_datasets"):
+for name in BLOCKED:
     try:
         __import__(name)
         raise AssertionError(name + " imported")

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import blingfire
-
 # A "sentence" longer than this (e.g. a table row or a line with no punctuation) is cut at the
 # last space before the limit (hard cut if there is none), so one line can never make an
 # instance that is all truncation. ~2000 characters is ~500 pieces, one full 512 sequence.
@@ -61,6 +59,10 @@ def split_sentences(
     is split by Bling Fire. Over-long sentences are chunked (counted as
     `long_sentences_chunked`).
     """
+    # Imported here, not with the module: the training step imports this module (for its
+    # constants), and accelerator images that only train have no blingfire.
+    import blingfire
+
     text = clean_text(text, counters)
     out: list[str] = []
     for line in text.split("\n"):
