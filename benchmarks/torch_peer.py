@@ -14,6 +14,7 @@ attention HF offers ALBERT). `attention` in the result says which one the model 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -68,8 +69,12 @@ def _pretraining_model(torch: Any, hf_config: Any, dtype: str) -> Any:
     from transformers import AlbertForPreTraining
 
     if dtype == "bfloat16":
-        # `_from_config` takes the attention implementation in transformers 4.4x and 5.x alike.
-        return AlbertForPreTraining._from_config(hf_config, attn_implementation="sdpa")
+        # `_from_config` takes the attention implementation in transformers 4.4x and 5.x alike;
+        # a version without SDPA for ALBERT keeps its default (reported as `attention`).
+        try:
+            return AlbertForPreTraining._from_config(hf_config, attn_implementation="sdpa")
+        except (TypeError, ValueError, ImportError) as error:
+            print(f"hf_torch: no SDPA attention ({error}); its default instead", file=sys.stderr)
     return AlbertForPreTraining(hf_config)
 
 
