@@ -1,16 +1,19 @@
 """N fine-tuning seeds in one program (`config.num_seeds`) against N separate runs.
 
-`python benchmarks/finetune_seeds.py --json [--size=tiny|base] [--steps=100]` prints one JSON
-line. The same config (configs/finetune.py:task=sentiment_rt from scratch, the `--size`
-preset, batch 32, max_seq_length 128, length buckets on) run two ways:
+`python benchmarks/finetune_seeds.py --json [--size=tiny|base] [--steps=100] [--step_only]`
+prints one JSON line. The same config (configs/finetune.py:task=sentiment_rt from scratch, the
+`--size` preset, batch 32, max_seq_length 128, length buckets on) run two ways:
 
 - `seeds4_step_over_sequential`: N x the median step time of the one-seed program over the
   median step time of the N-seed program (the same steps' batches, interleaved one step each,
-  after the buckets they use are compiled): throughput of the update alone.
+  after a first untimed pass over them has compiled every shape they use): throughput of the
+  update alone.
 - `seeds4_over_sequential`: wall time of N complete one-seed runs (`finetune_and_evaluate`:
   features, compilation, `--steps` updates, evaluation, checkpoint) over one N-seed run.
 
 `--tokenizer` gives a sentencepiece model; by default one is trained on the training sentences.
+`--task_dir` holds sentiment_rt's `train.jsonl.gz` and `dev.jsonl.gz` (default: ../shared's),
+`--step_only` skips the complete runs (on a machine lent for minutes, the step is the figure).
 """
 
 from __future__ import annotations
@@ -53,8 +56,8 @@ TASK_DIR = os.path.join(DATA, "data", "tasks", "sentiment_rt")
 def make_config(args: argparse.Namespace, tokenizer: str, num_seeds: int, seed: int = 0) -> Any:
     c = finetune_configs.get_config("task=sentiment_rt,init=")
     c.size, c.seed, c.num_seeds = args.size, seed, num_seeds
-    c.data.train_files = os.path.join(TASK_DIR, "train.jsonl.gz")
-    c.data.eval_files = os.path.join(TASK_DIR, "dev.jsonl.gz")
+    c.data.train_files = os.path.join(args.task_dir, "train.jsonl.gz")
+    c.data.eval_files = os.path.join(args.task_dir, "dev.jsonl.gz")
     c.data.tokenizer, c.data.max_eval_examples = tokenizer, args.eval_examples
     c.max_seq_length, c.batch_size, c.num_train_steps = 128, 32, args.steps
     c.log_every_steps = max(args.steps, 1)
@@ -95,6 +98,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="timed steps of each program")
     parser.add_argument("--eval_examples", type=int, default=256)
     parser.add_argument("--tokenizer", default="", help="sentencepiece model (default: train)")
+    parser.add_argument("--task_dir", default=TASK_DIR, help="sentiment_rt's jsonl.gz files")
+    parser.add_argument("--step_only", action="store_true", help="skip the complete runs")
     args = parser.parse_args()
     logging.set_verbosity(logging.WARNING)
     n = args.num_seeds
@@ -106,14 +111,16 @@ def main() -> None:
         if not tokenizer:
             from albert_jax.data.tokenizer import train_tokenizer
 
-            with gzip.open(os.path.join(TASK_DIR, "train.jsonl.gz"), "rt") as f:
+            with gzip.open(os.path.join(args.task_dir, "train.jsonl.gz"), "rt") as f:
                 texts = [json.loads(line)["sentence"] for line in f if line.strip()]
             tokenizer = train_tokenizer(texts, workdir + "/spm", 8000, hard_vocab_limit=False)
         mesh = create_mesh(*mesh_layout(make_config(args, tokenizer, 1)))
         with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
             one = Program(make_config(args, tokenizer, 1), workdir + "/one", mesh)
             many = Program(make_config(args, tokenizer, n), workdir + "/many", mesh)
-            for s in range(1, 4):  # compiles the buckets of the first steps
+            # Untimed first: every step the rounds time, so each shape they use is compiled
+            # (packed rows vary in number from step to step) and the timed steps only run.
+            for s in range(1, 4 + args.rounds):
                 one.step(s)
                 many.step(s)
             times: dict[str, list[float]] = {"one": [], "many": []}
@@ -125,6 +132,9 @@ def main() -> None:
         one_s, many_s = (statistics.median(times[k]) for k in ("one", "many"))
         result.update(one_seed_step_s=round(one_s, 4), seeds_step_s=round(many_s, 4))
         result[f"seeds{n}_step_over_sequential"] = round(n * one_s / many_s, 3)
+        if args.step_only:
+            print(json.dumps(result) if args.json else json.dumps(result, indent=2), flush=True)
+            return
         start = time.perf_counter()
         finetune.finetune_and_evaluate(make_config(args, tokenizer, n), workdir + "/run_many")
         many_run = time.perf_counter() - start
