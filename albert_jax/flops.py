@@ -199,10 +199,21 @@ def measure_cpu_matmul_peak(size: int = 1024, repeats: int = 5) -> float:
     CPUs have no spec-sheet peak worth trusting (turbo, AVX-512 down-clocking, shared vCPUs), so
     CPU MFU is measured against what a large GEMM actually achieves on the same machine.
     """
+    return measure_matmul_peak(size, repeats, "float32", jax.devices("cpu")[0])
+
+
+def measure_matmul_peak(
+    size: int, repeats: int = 5, dtype: str = "float32", device: Any = None
+) -> float:
+    """FLOP/s of a jitted [size, size] matmul in `dtype` on `device` (default: JAX's first),
+    best of `repeats`: what a large GEMM reaches there, beside a spec-sheet peak."""
     _positive_int("size", size)
-    cpu = jax.devices("cpu")[0]
+    device = device if device is not None else jax.devices()[0]
     keys = jax.random.split(jax.random.key(0))
-    a, b = (jax.device_put(jax.random.normal(k, (size, size), jnp.float32), cpu) for k in keys)
+    a, b = (
+        jax.device_put(jax.random.normal(k, (size, size), getattr(jnp, dtype)), device)
+        for k in keys
+    )
     matmul = jax.jit(jnp.matmul)
     return square_matmul_flops(lambda: matmul(a, b).block_until_ready(), size, repeats)
 

@@ -273,15 +273,6 @@ def kerashub(args: argparse.Namespace, batch: dict[str, Any]) -> dict[str, Any] 
     return dict(jitted_peer(train_step, state, batch), params=kerashub_peer.num_params(model))
 
 
-def xla_matmul_peak(size: int, repeats: int, dtype: str) -> float:
-    """FLOP/s of a jitted [size, size] matmul in `dtype` on JAX's first device, best of
-    `repeats` (in float32 on a CPU: `flops.measure_cpu_matmul_peak`'s protocol)."""
-    keys = jax.random.split(jax.random.key(0))
-    a, b = (jax.random.normal(k, (size, size), getattr(jnp, dtype)) for k in keys)
-    matmul = jax.jit(jnp.matmul)
-    return flops.square_matmul_flops(lambda: matmul(a, b).block_until_ready(), size, repeats)
-
-
 def hf_torch(args: argparse.Namespace, batch: dict[str, Any]) -> dict[str, Any] | None:
     return torch_peer.hf_torch(hf_config(args), batch, args.dtype, LEARNING_RATE, WEIGHT_DECAY)
 
@@ -319,7 +310,7 @@ def main() -> None:
     model_config = ModelConfig.preset(args.size)
     batch = make_batch(args.batch, args.seq, args.preds, model_config.vocab_size)
     step_flops = train.train_step_flops(model_config, args.batch, args.seq, args.preds)
-    peaks = [xla_matmul_peak(args.peak_size, 5, args.dtype)]
+    peaks = [flops.measure_matmul_peak(args.peak_size, 5, args.dtype)]
     torch_peak_before = None
     if not args.no_hf:
         torch_peak_before = torch_peer.matmul_peak(args.peak_size, 5, args.dtype)
@@ -340,7 +331,7 @@ def main() -> None:
         if run is not None:
             runs["kerashub"] = run
     times = time_interleaved({k: r["step"] for k, r in runs.items()}, args.warmup, args.steps)
-    peaks.append(xla_matmul_peak(args.peak_size, 5, args.dtype))
+    peaks.append(flops.measure_matmul_peak(args.peak_size, 5, args.dtype))
     device = jax.devices()[0]
     on_cpu = device.platform == "cpu"
     # A CPU's measured matmul rate; an accelerator's spec-sheet peak in the compute dtype.
