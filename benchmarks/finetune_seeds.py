@@ -89,6 +89,25 @@ class Program:
         jax.block_until_ready(metrics["loss"])
 
 
+def end_to_end(args: argparse.Namespace, tokenizer: str, workdir: str) -> dict[str, Any]:
+    """Wall seconds of one N-seed run and of N one-seed runs (`finetune_and_evaluate` each)."""
+    n = args.num_seeds
+    start = time.perf_counter()
+    finetune.finetune_and_evaluate(make_config(args, tokenizer, n), workdir + "/run_many")
+    many_run = time.perf_counter() - start
+    start = time.perf_counter()
+    for i in range(n):
+        finetune.finetune_and_evaluate(
+            make_config(args, tokenizer, 1, seed=i), workdir + f"/run_one_{i}"
+        )
+    sequential = time.perf_counter() - start
+    return {
+        "seeds_run_s": round(many_run, 1),
+        "sequential_runs_s": round(sequential, 1),
+        f"seeds{n}_over_sequential": round(sequential / many_run, 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON line")
@@ -132,20 +151,8 @@ def main() -> None:
         one_s, many_s = (statistics.median(times[k]) for k in ("one", "many"))
         result.update(one_seed_step_s=round(one_s, 4), seeds_step_s=round(many_s, 4))
         result[f"seeds{n}_step_over_sequential"] = round(n * one_s / many_s, 3)
-        if args.step_only:
-            print(json.dumps(result) if args.json else json.dumps(result, indent=2), flush=True)
-            return
-        start = time.perf_counter()
-        finetune.finetune_and_evaluate(make_config(args, tokenizer, n), workdir + "/run_many")
-        many_run = time.perf_counter() - start
-        start = time.perf_counter()
-        for i in range(n):
-            finetune.finetune_and_evaluate(
-                make_config(args, tokenizer, 1, seed=i), workdir + f"/run_one_{i}"
-            )
-        sequential = time.perf_counter() - start
-        result.update(seeds_run_s=round(many_run, 1), sequential_runs_s=round(sequential, 1))
-        result[f"seeds{n}_over_sequential"] = round(sequential / many_run, 3)
+        if not args.step_only:
+            result.update(end_to_end(args, tokenizer, workdir))
     print(json.dumps(result) if args.json else json.dumps(result, indent=2), flush=True)
 
 
