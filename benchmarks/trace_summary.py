@@ -1,25 +1,28 @@
 """Where a profiled step's time goes: the op totals of a `jax.profiler` trace, per step.
 
-`python benchmarks/trace_summary.py DIR --steps=3` reads the newest `*.trace.json.gz` under DIR
-(what `jax.profiler.trace(DIR)` writes; `benchmarks/train_step.py --profile=DIR` makes one of
-`--profile_steps` steps of ours) and prints one JSON object: for each timeline (process /
-thread, e.g. XLA:CPU's worker threads or a GPU stream; threads of one pool are one timeline,
-their times summed) its busy milliseconds per step, and for
-the busiest ones their top ops, with trailing instance numbers merged (`fusion.12` and
-`fusion.7` are both `fusion`), so a kind of op reads as one line. Spans that only wrap others
-(the executor's, Python's `$file:line` frames) are left out so nothing is counted twice.
+`python benchmarks/trace_summary.py DIR --steps=3` reads the newest `*.trace.json.gz` under DIR,
+local or gs:// (what `jax.profiler.trace(DIR)` writes; `benchmarks/train_step.py --profile=DIR`
+makes one of `--profile_steps` steps of ours) and prints one JSON object: for each timeline
+(process / thread, e.g. XLA:CPU's worker threads or a GPU stream; threads of one pool are one
+timeline, their times summed) its busy milliseconds per step, and for the busiest ones their top
+ops, with trailing instance numbers merged (`fusion.12` and `fusion.7` are both `fusion`), so a
+kind of op reads as one line. Spans that only wrap others (the executor's, Python's `$file:line`
+frames) are left out so nothing is counted twice.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
 import os
 import re
+import sys
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from albert_jax import files  # noqa: E402
 
 # Spans that contain the ops rather than being ops: counting them would count the ops twice.
 _WRAPPERS = re.compile(r"^(\$|ThunkExecutor|PjitFunction|Slinky|Wait:|TfrtCpu|PjRt)")
@@ -27,16 +30,18 @@ _INSTANCE = re.compile(r"[/.\-\d_]+$")
 
 
 def newest_trace(directory: str) -> str:
-    paths = glob.glob(os.path.join(directory, "**", "*.trace.json.gz"), recursive=True)
+    """The newest trace `jax.profiler.trace(directory)` wrote (DIR/plugins/profile/RUN/
+    HOST.trace.json.gz), local or gs://."""
+    paths = files.glob(f"{directory.rstrip('/')}/plugins/profile/*/*.trace.json.gz")
     if not paths:
-        raise FileNotFoundError(f"no *.trace.json.gz under {directory}")
-    return max(paths, key=os.path.getmtime)
+        raise FileNotFoundError(f"no plugins/profile/*/*.trace.json.gz under {directory}")
+    return str(max(paths, key=lambda p: files.stat(p)[1]))
 
 
 def summarize(path: str, steps: int, timelines: int = 4, ops: int = 12) -> dict[str, Any]:
     """{"timelines": [{"name", "threads", "busy_ms_per_step", "events_per_step", "top_ops": [{"op",
     "ms_per_step", "count_per_step"}]}]}, busiest first; ops only for the first `timelines`."""
-    with gzip.open(path, "rt") as f:
+    with files.open_binary(path) as f:  # gunzipped
         events = json.load(f)["traceEvents"]
     processes = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
     threads = {
