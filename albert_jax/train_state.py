@@ -165,7 +165,6 @@ def make_step(
     plain names, their mean over the seeds still finite (NaN once every seed diverged, which
     stops the loop), with `seeds_diverged` counting the others.
     """
-    dropout_keys = seed_keys(seed + 1, num_seeds)  # independent of the init keys
 
     def update(params, opt_state, step, batch, dropout_key):
         rng = jax.random.fold_in(dropout_key, step)
@@ -182,6 +181,10 @@ def make_step(
         return params, opt_state, metrics
 
     def train_step(state: TrainState, batch: dict[str, jax.Array]):
+        # Made while tracing (XLA folds them to constants), not closed over: a device array
+        # captured by the step is embedded by copying it to the host, which the loop's
+        # transfer guard refuses on an accelerator.
+        dropout_keys = seed_keys(seed + 1, num_seeds)  # independent of the init keys
         if num_seeds == 1:
             params, opt_state, metrics = update(
                 state.params, state.opt_state, state.step, batch, dropout_keys

@@ -8,6 +8,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_finetune import (
@@ -20,9 +21,10 @@ from test_finetune import (
     tiny_tokenizer_path,
 )
 
-from albert_jax import finetune, seeds
+from albert_jax import finetune, optim, seeds
 from albert_jax.metrics_writer import read_metrics
 from albert_jax.pretrained import load_pretrained
+from albert_jax.train_state import TrainState, make_step
 
 
 def _losses(workdir, key: str = "loss") -> dict[int, float]:
@@ -76,6 +78,29 @@ def test_summary_statistics_skip_diverged_seeds():
     assert "version" not in out["median"]
     assert [f["seed"] for f in out["failed_seeds"]] == [5, 6]
     assert out["failed_seeds"][1]["reason"].startswith("diverged")
+
+
+@pytest.mark.parametrize("num_seeds", [1, 4])
+def test_the_step_closes_over_no_arrays(num_seeds):
+    """A device array the step closes over is embedded as a constant by copying it to the host,
+    which the loop's `transfer_guard("disallow")` refuses on a GPU (seen: the seeds' dropout
+    keys, made once outside the step): everything the step needs comes in or is made inside."""
+
+    def loss_fn(params, batch, rng):
+        noise = jax.random.uniform(rng, batch["x"].shape)
+        loss = jnp.mean((batch["x"] * noise) @ params["w"])
+        return loss, {"loss": loss}
+
+    params = {"w": jnp.ones((3,))}
+    tx = optim.adamw(1e-3)
+    step = make_step(loss_fn, tx, microbatches=1, seed=0, num_seeds=num_seeds)
+    if num_seeds > 1:
+        params = jax.tree.map(lambda x: jnp.stack([x] * num_seeds), params)
+    opt_state = jax.vmap(tx.init)(params) if num_seeds > 1 else tx.init(params)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+    jaxpr = jax.make_jaxpr(step)(state, {"x": jnp.ones((2 * num_seeds, 3))})
+    captured = [c for c in jaxpr.consts if isinstance(c, jax.Array)]
+    assert captured == [], [(c.shape, c.dtype) for c in captured]
 
 
 # ------------------------------------------------------------------- N seeds = N separate runs
