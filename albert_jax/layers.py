@@ -267,10 +267,31 @@ def fused_attention(q: Array, k: Array, v: Array, mask: Array, impl: str) -> Arr
             f"model.attention_impl='cudnn' needs a GPU; this backend is "
             f"{jax.default_backend()!r}: use 'xla' or 'dot_product'"
         )
+    rows = q.shape[2]
+    if impl == "cudnn":
+        q, k, v, mask = even_lengths(q, k, v, mask)
     q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))  # its layout: [B, T, N, D]
     return jax.nn.dot_product_attention(
         q, k, v, mask=mask, implementation="cudnn" if impl == "cudnn" else None
-    )
+    )[:, :rows]
+
+
+def even_lengths(q: Array, k: Array, v: Array, mask: Array) -> tuple[Array, ...]:
+    """What cuDNN's fused attention trains on: q [B,N,Q',D], k and v [B,N,S',D] and the mask
+    [B,1,Q',S'] whole, with Q' and S' the even lengths at or above Q and S.
+
+    cuDNN takes the mask as an additive bias with every query row ([B,1,1,S] is refused), and
+    its backward pass with a bias needs even lengths; the last layer runs at the 1 + P rows the
+    heads read, an odd count for the default P = 20. An added query row attends everywhere (a
+    finite row, its output dropped); an added key is masked out of every row."""
+    batch, _, rows, keys = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    mask = jnp.broadcast_to(mask, (batch, 1, rows, keys))
+    pad_rows, pad_keys = rows % 2, keys % 2
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, pad_rows), (0, 0)))
+    k, v = (jnp.pad(t, ((0, 0), (0, 0), (0, pad_keys), (0, 0))) for t in (k, v))
+    mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad_rows), (0, 0)), constant_values=True)
+    mask = jnp.pad(mask, ((0, 0), (0, 0), (0, 0), (0, pad_keys)), constant_values=False)
+    return q, k, v, mask
 
 
 class SelfAttention(nn.Module):

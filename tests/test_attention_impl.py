@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from test_model import init, make_batch, tiny
 
+from albert_jax import layers
 from albert_jax.model import AlbertForPreTraining
 
 IMPLS = ["dot_product"] + (["cudnn"] if jax.default_backend() == "gpu" else [])
@@ -53,6 +54,34 @@ def test_implementations_compute_the_same_model(impl, dtype, tol):
     scale = max(float(np.abs(x).max()) for x in leaves_ours)
     for a, b in zip(leaves_ours, leaves_other, strict=True):
         assert float(np.abs(a - b).max()) <= tol * scale
+
+
+@pytest.mark.parametrize("rows, keys", [(21, 64), (8, 13), (5, 5)])
+def test_even_lengths_keep_the_attention_and_its_gradients(rows, keys):
+    """cuDNN's inputs (`layers.even_lengths`: odd lengths padded, the mask whole) give the same
+    attention, and the same gradients, as the inputs themselves; computed here by JAX's own
+    implementation, which takes both (the kernel itself is compared on a GPU, above)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 3, n, 8)), jnp.float32) for n in (rows, keys, keys))
+    mask = jnp.asarray(rng.random((2, 1, 1, keys)) < 0.8).at[:, :, :, 0].set(True)
+
+    def attention(q, k, v, even):
+        out_rows = q.shape[2]
+        if even:
+            q, k, v, m = layers.even_lengths(q, k, v, mask)
+            assert q.shape[2] % 2 == 0 and k.shape[2] % 2 == 0 and m.shape[2] == q.shape[2]
+        else:
+            m = mask
+        q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))
+        return jax.nn.dot_product_attention(q, k, v, mask=m)[:, :out_rows]
+
+    def loss(q, k, v, even):
+        return jnp.sum(jnp.sin(attention(q, k, v, even)))
+
+    np.testing.assert_allclose(attention(q, k, v, True), attention(q, k, v, False), atol=1e-6)
+    grads = [jax.grad(loss, argnums=(0, 1, 2))(q, k, v, even) for even in (True, False)]
+    for padded, plain in zip(*grads, strict=True):
+        np.testing.assert_allclose(padded, plain, atol=1e-6)
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the GPU has the kernel")
