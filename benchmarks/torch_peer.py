@@ -1,7 +1,8 @@
 """HF PyTorch ALBERT as a contender of `benchmarks/train_step.py`, on the CPU or a CUDA GPU.
 
 `transformers.AlbertForPreTraining` with `labels` = -100 outside the masked positions and the
-sentence-order label, `torch.optim.AdamW`, eval mode (no dropout anywhere, the SOP head too).
+sentence-order label, `torch.optim.AdamW` (fused on a GPU), eval mode (no dropout anywhere, the
+SOP head too).
 On a GPU the model and batch live on `cuda:0` and every step ends in `torch.cuda.synchronize()`
 (CUDA kernels run asynchronously; a step is timed to its last kernel, as ours is timed to its
 loss being ready). `--dtype=bfloat16` runs the forward and the loss under
@@ -98,8 +99,14 @@ def hf_torch(
     if device == "cpu":
         torch.set_num_threads(os.cpu_count() or 1)
     model = _pretraining_model(torch, hf_config, dtype).to(device).eval()
+    # On a GPU the fused AdamW kernel (one launch over all parameters), the Trainer's default.
     opt = torch.optim.AdamW(
-        model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=weight_decay
+        model.parameters(),
+        lr=lr,
+        betas=(0.9, 0.999),
+        eps=1e-6,
+        weight_decay=weight_decay,
+        fused=device == "cuda",
     )
     labels = np.full(batch["input_ids"].shape, -100, np.int64)
     np.put_along_axis(labels, batch["masked_lm_positions"], batch["masked_lm_ids"], 1)

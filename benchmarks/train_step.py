@@ -278,11 +278,17 @@ def hf_torch(args: argparse.Namespace, batch: dict[str, Any]) -> dict[str, Any] 
 
 
 def profile_ours(step: Callable[[], None], directory: str, steps: int) -> dict[str, Any]:
-    """`steps` steps of ours under `jax.profiler.trace(directory)`: their op totals per step."""
-    with jax.profiler.trace(directory):
-        for _ in range(steps):
-            step()
-    return trace_summary.summarize(trace_summary.newest_trace(directory), steps)
+    """`steps` steps of ours under `jax.profiler.trace(directory)`: their op totals per step.
+
+    A profiler that fails (no CUPTI, an unreadable trace) gives {"error": ...} in the result
+    rather than losing the timings measured before it."""
+    try:
+        with jax.profiler.trace(directory):
+            for _ in range(steps):
+                step()
+        return trace_summary.summarize(trace_summary.newest_trace(directory), steps)
+    except Exception as error:  # reported in the JSON, next to the timings
+        return {"error": f"{type(error).__name__}: {error}"}
 
 
 def main() -> None:
