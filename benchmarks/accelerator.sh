@@ -6,13 +6,14 @@
 # seconds, the benchmark's JSON line or null) and $OUT/logs.txt (every run's stderr), two files
 # because a lent machine returns few.
 #
-#   bash benchmarks/accelerator.sh [PART ...]     # PARTs: train_step speedup seeds attention
+#   bash benchmarks/accelerator.sh [PART ...]  # PARTs: train_step cudnn speedup seeds attention
 #   SIZES="tiny:4" SEQ=64 SPEEDUP_ARGS="--models=bert-large,albert-base --seq_len=64 --batch=2" \
 #     bash benchmarks/accelerator.sh              # the same path in minutes on a CPU
 #
 # train_step: ours vs HF PyTorch (bfloat16 autocast, SDPA) at seq $SEQ for each size:batch of
-#   $SIZES, MFU against the device's spec-sheet peak; for the last size also ours with cuDNN
-#   fused attention and the op totals per step of a profiled step.
+#   $SIZES, MFU against the device's spec-sheet peak; for the last size the op totals per step
+#   of a profiled step.
+# cudnn: ours at the last size with XLA's attention and with cuDNN's fused kernel.
 # speedup: the paper's Table 2 column in bfloat16.
 # seeds: 4 fine-tuning seeds in one program against 4 runs (tiny: end to end; base: the step),
 #   on sentiment_rt's files in $TASK_DIR.
@@ -68,19 +69,29 @@ run() {  # run NAME ARGS...: one benchmark, its JSON line to results.jsonl, stde
   report "$name" "$status" "$start" "$json"
 }
 
-part_train_step() {
-  local last=${SIZES##* } spec size batch
+step_args() {  # step_args SIZE:BATCH: train_step.py's arguments for one size, in bfloat16
+  echo benchmarks/train_step.py "--size=${1%%:*}" "--batch=${1##*:}" "--seq=$SEQ" \
+    --dtype=bfloat16 --no_unrolled --no_kerashub --steps=5 --warmup=2 --peak_size=4096
+}
+
+part_train_step() {  # every size against HF PyTorch; the last one profiled
+  local last=${SIZES##* } spec args
   for spec in $SIZES; do
-    size=${spec%%:*}
-    batch=${spec##*:}
-    local args=(benchmarks/train_step.py "--size=$size" "--batch=$batch" "--seq=$SEQ"
-      --dtype=bfloat16 --no_unrolled --no_kerashub --steps=5 --warmup=2 --peak_size=4096)
+    read -ra args <<<"$(step_args "$spec")"
     if [[ $spec == "$last" ]]; then
-      run "train_step_$size" "${args[@]}" --profile="/tmp/profile_$size" --profile_steps=2
-      run "train_step_${size}_cudnn" "${args[@]}" --attention=cudnn --no_hf
+      run "train_step_${spec%%:*}" "${args[@]}" --profile="/tmp/profile_${spec%%:*}" \
+        --profile_steps=2
     else
-      run "train_step_$size" "${args[@]}"
+      run "train_step_${spec%%:*}" "${args[@]}"
     fi
+  done
+}
+
+part_cudnn() {  # the last size with XLA's attention, then cuDNN's, one after the other
+  local last=${SIZES##* } impl args
+  read -ra args <<<"$(step_args "$last")"
+  for impl in xla cudnn; do
+    run "train_step_${last%%:*}_$impl" "${args[@]}" "--attention=$impl" --no_hf
   done
 }
 
@@ -106,10 +117,10 @@ part_attention() {  # the tests put JAX on the CPU unless told otherwise: here, 
 }
 
 parts=("$@")
-[[ ${#parts[@]} -gt 0 ]] || parts=(train_step speedup seeds attention)
+[[ ${#parts[@]} -gt 0 ]] || parts=(train_step cudnn speedup seeds attention)
 for name in "${parts[@]}"; do  # every name checked before any device time is spent
   if ! declare -F "part_$name" >/dev/null; then
-    echo "unknown part '$name': train_step, speedup, seeds or attention" >&2
+    echo "unknown part '$name': train_step, cudnn, speedup, seeds or attention" >&2
     exit 2
   fi
 done
