@@ -6,16 +6,20 @@ get a writer that does nothing, so the loop needs no `if process_index == 0` of 
 metrics.jsonl holds one JSON object per log step (`step`, `loss`, `mlm_loss`, ...; `eval_*` at
 eval steps). Non-finite values are written as null (JSON has no NaN). After a restart from step
 k, `rewind(k)` drops the lines of steps > k, so the file reads like one uninterrupted run.
-TensorBoard events are written with `tensorboard`'s own event writer and protos (no clu). The
-workdir may be a `gs://` path: files go through `albert_jax.files`, and since object stores cannot
-append, the JSONL is then rewritten whole at each log step (it stays small).
+TensorBoard events are `tensorboard`'s protos in its record framing (`EventFile`, no clu and
+no TensorFlow). The workdir may be a `gs://` path: files go through `albert_jax.files`, and
+since object stores cannot append, the JSONL and the event file are then rewritten whole at each
+log step (they stay small).
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import math
+import os
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,11 +27,12 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from albert_jax import files, process_setup
+from albert_jax import files
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 LEARNING_CURVE_FILE = "learning_curve.png"
+_EVENT_FILES = itertools.count()  # this process's event files: a name apiece, same second too
 
 
 def _json_number(value: Any) -> Any:
@@ -71,12 +76,7 @@ class MetricsWriter:
         if not enabled:
             return
         files.as_path(workdir).mkdir(parents=True, exist_ok=True)
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
-
-        # Through tf.io.gfile when TensorFlow is installed, so gs:// works as well; TensorBoard
-        # imports it then, and it must stay off the accelerators.
-        process_setup.hide_accelerators_from_tensorflow()
-        self._tb = EventFileWriter(str(files.as_path(workdir) / TENSORBOARD_DIR))
+        self._tb = EventFile(str(files.as_path(workdir) / TENSORBOARD_DIR))
         if not files.is_local(self.path):
             self._records = read_metrics(self.path)
 
@@ -124,6 +124,53 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+class EventFile:
+    """A TensorBoard event file, `DIRECTORY/events.out.tfevents.<time>.<host>.<pid>.<n>`,
+    written through `albert_jax.files` (local or gs://).
+
+    `tensorboard`'s own `EventFileWriter` writes through `tf.io.gfile` whenever TensorFlow is
+    installed, and so imports it (~11 s) in fine-tuning runs that otherwise never touch it. The
+    records here are the same: `tensorboard`'s `RecordWriter` framing (length, masked CRC-32C,
+    the serialized `Event`, masked CRC-32C), a `file_version` event first. A local file is
+    appended to at each `flush`; an object is rewritten whole (a bucket cannot append).
+    """
+
+    def __init__(self, directory: str):
+        from tensorboard.compat.proto import event_pb2
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        folder = files.as_path(directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / (
+            f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
+            f"{os.getpid()}.{next(_EVENT_FILES)}"
+        )
+        self._pending = io.BytesIO()  # records not yet flushed
+        self._records = RecordWriter(self._pending)
+        self._written = b"" if not files.is_local(self.path) else None  # an object's bytes
+        self.add_event(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
+        self.flush()
+
+    def add_event(self, event: Any) -> None:
+        self._records.write(event.SerializeToString())
+
+    def flush(self) -> None:
+        data = self._pending.getvalue()
+        if not data:
+            return
+        self._pending.seek(0)
+        self._pending.truncate()
+        if self._written is None:
+            with self.path.open("ab") as f:
+                f.write(data)
+        else:
+            self._written += data
+            self.path.write_bytes(self._written)
+
+    def close(self) -> None:
+        self.flush()
 
 
 def format_duration(seconds: float) -> str:

@@ -4,8 +4,13 @@ cannot append), rewind, TensorBoard events and the PNG land in the bucket, not i
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
+from albert_jax import files
 from albert_jax.metrics_writer import MetricsWriter, plot_learning_curve, read_metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_metrics_on_gs(gcs, tmp_path, monkeypatch):
@@ -26,5 +31,49 @@ def test_metrics_on_gs(gcs, tmp_path, monkeypatch):
     assert [r["loss"] for r in read_metrics(workdir)] == [3.0, 2.0, 0.5]
     assert plot_learning_curve(workdir) == f"{workdir}/learning_curve.png"
     assert gcs.read(f"{prefix}/learning_curve.png").startswith(b"\x89PNG")
-    assert any(".tfevents." in name for name in gcs.list(f"{prefix}/tensorboard/"))
+    # Two writers in the same second, one event file each (an object rewritten whole by the
+    # second would lose the first one's events).
+    assert len([n for n in gcs.list(f"{prefix}/tensorboard/") if ".tfevents." in n]) == 2
     assert os.listdir(tmp_path) == []
+
+
+def _scalars(path) -> list[tuple[int, str, float]]:
+    """(step, tag, value) of every scalar in an event file, read by TensorBoard's own loader
+    (which checks each record's CRCs)."""
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    return [
+        (event.step, value.tag, value.simple_value)
+        for event in LegacyEventFileLoader(str(path)).Load()
+        for value in event.summary.value
+    ]
+
+
+def test_tensorboard_reads_the_events_locally_and_on_gs(gcs, tmp_path):
+    for workdir in (str(tmp_path / "run"), gcs.url(f"events-{tmp_path.name}")):
+        writer = MetricsWriter(workdir)
+        writer.write(1, {"loss": 2.5, "note": "text is not a scalar"})
+        writer.write(2, {"loss": 1.5, "eval_accuracy": 0.75})
+        writer.close()
+        folder = files.as_path(workdir) / "tensorboard"
+        [name] = [p.name for p in folder.iterdir()]
+        assert name.startswith("events.out.tfevents.")
+        local = tmp_path / f"copy_{len(workdir)}"  # the loader reads local files
+        local.write_bytes((folder / name).read_bytes())
+        assert _scalars(local) == [(1, "loss", 2.5), (2, "loss", 1.5), (2, "eval_accuracy", 0.75)]
+
+
+def test_writing_metrics_imports_no_tensorflow(tmp_path):
+    """TensorFlow takes ~11 s to import; a fine-tuning run needs it for nothing else."""
+    script = (
+        "import sys\n"
+        "from albert_jax.metrics_writer import MetricsWriter\n"
+        f"writer = MetricsWriter({str(tmp_path)!r})\n"
+        "writer.write(1, {'loss': 1.0})\n"
+        "writer.close()\n"
+        "assert 'tensorflow' not in sys.modules, 'tensorflow imported'\n"
+    )
+    env = {**os.environ, "PYTHONPATH": REPO}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(os.listdir(tmp_path / "tensorboard")) == 1
