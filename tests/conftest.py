@@ -73,6 +73,23 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     jax.config.update("jax_compilation_cache_dir", _jax_cache)
 
 
+# The files that take minutes (training runs, multi-process jobs), longest first (CI's
+# --durations), run before all others: pytest-xdist's loadfile hands files out in collection
+# order, two queued per worker, so a long file collected late (test_seeds, test_train) keeps
+# one worker busy while the other has run out of files.
+LONG_FILES = (
+    "test_seeds.py", "test_distributed.py", "test_train.py", "test_length_buckets.py",
+    "test_distributed_finetune.py", "test_gcs_journey.py", "test_finetune.py",
+    "test_mixed_precision.py", "test_packing.py", "test_resume_safety.py", "test_notebook.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """LONG_FILES first, in that order; the other files (and every file's tests) keep theirs."""
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> str:
     """Path of ../shared/data (real corpora and labelled sets)."""
