@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import build_once, session_dir
+from conftest import build_once, run_main, session_dir
 
 from albert_jax import finetune
 from albert_jax.pretrained import load_pretrained
@@ -221,9 +221,18 @@ SENTIMENT_SETTINGS = dict(
 
 
 def sentiment_pretrained_run(tmp_path_factory, shared_data: str) -> str:
+    """The one-seed run (test_seeds compares seed 0 of four with it, test_packing its bucketed
+    twin), on one device (`run_cli`): 500 steps, the suite's longest single run."""
     init = pretrained_workdir(tmp_path_factory, shared_data)
     make = functools.partial(small_config, "sentiment_rt", init, shared_data, **SENTIMENT_SETTINGS)
-    return _cached_run(tmp_path_factory, "finetune_sentiment_rt", make)
+    return _cached_run(tmp_path_factory, "finetune_sentiment_rt", make, cli=True)
+
+
+def run_cli(config, workdir) -> dict:
+    """`config` run by `python -m albert_jax.main` on one CPU device (conftest.run_main); its
+    eval_results.json."""
+    run_main(config, f"configs/finetune.py:task={config.task},init={config.init}", workdir)
+    return _read_results(workdir)
 
 
 def test_sentiment_rt_beats_the_majority_class(tmp_path_factory, shared_data, tmp_path):
@@ -284,16 +293,15 @@ def squad_shifts_config(init: str, shared_data: str, **overrides):
     return small_config("squad_shifts", init, shared_data, **{**settings, **overrides})
 
 
-def _cached_run(tmp_path_factory, name: str, make_config) -> str:
+def _cached_run(tmp_path_factory, name: str, make_config, cli: bool = False) -> str:
     """Runs `finetune_and_evaluate(make_config(), DIR/name)` once per session (DIR: conftest's
     `session_dir`, shared by the xdist workers, like `pretrained_workdir`), so other test
-    modules reuse the run; returns the workdir.
+    modules reuse the run; returns the workdir. `cli`: through `run_cli` (one device) instead
+    of in this process (the tests' 8 devices, as the runs that tests repeat in-process need).
     A run left unfinished by an earlier failure resumes from its checkpoint."""
     workdir = session_dir(tmp_path_factory) / name
-    build_once(
-        workdir / finetune.EVAL_RESULTS_FILE,
-        lambda: finetune.finetune_and_evaluate(make_config(), str(workdir)),
-    )
+    run = run_cli if cli else finetune.finetune_and_evaluate
+    build_once(workdir / finetune.EVAL_RESULTS_FILE, lambda: run(make_config(), str(workdir)))
     return str(workdir)
 
 

@@ -14,13 +14,14 @@ from test_finetune import (
     SENTIMENT_SETTINGS,
     _read_results,
     pretrained_workdir,
+    run_cli,
     sentiment_pretrained_run,
     sentiment_tiny_config,
     small_config,
     tiny_tokenizer_path,
 )
 
-from albert_jax import finetune, heads
+from albert_jax import heads
 from albert_jax.config import ModelConfig
 from albert_jax.tasks import packing
 from albert_jax.tasks.batching import bucket_lengths, train_batch
@@ -78,6 +79,21 @@ def test_shapes_are_few_and_bounded_on_real_features(tmp_path_factory, shared_da
     assert packed_tokens < 0.6 * dynamic_tokens, (packed_tokens, dynamic_tokens)
 
 
+@pytest.mark.parametrize("granularity, batch", [(1, 32), (1, 128), (2, 64), (3, 96), (8, 256)])
+def test_row_counts_are_a_ladder_of_eight_an_octave(granularity, batch):
+    """Rows: a multiple of the granularity, at most 1/8 above the needed count (exact up to 16
+    units), never above the batch, and at most 8 counts from one power of two to the next."""
+    counts = [packing.round_rows(n, granularity, batch) for n in range(1, batch + 1)]
+    for needed, rows in enumerate(counts, 1):
+        assert rows % granularity == 0 and needed <= rows <= batch
+        units, got = -(-needed // granularity), rows // granularity
+        assert got == units if units <= 16 else got < units * 9 / 8
+    assert counts == sorted(counts)
+    for octave in range(1, batch.bit_length()):
+        units = {r // granularity for r in counts}
+        assert len({u for u in units if 2 ** (octave - 1) < u <= 2**octave}) <= 8
+
+
 @pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
 def test_packed_rows_give_the_logits_and_gradients_of_separate_rows(scan):
     # The tiny preset's layout (4 shared layers, 2 heads: attention runs per head over the
@@ -121,6 +137,6 @@ def test_packed_training_scores_as_bucketed_training(tmp_path_factory, shared_da
     init = pretrained_workdir(tmp_path_factory, shared_data)
     config = small_config("sentiment_rt", init, shared_data, **SENTIMENT_SETTINGS)
     config.pack_examples = False
-    bucketed = finetune.finetune_and_evaluate(config, str(tmp_path / "bucketed"))
+    bucketed = run_cli(config, str(tmp_path / "bucketed"))  # as the packed run: one device
     print("sentiment_rt packed / bucketed:", packed["accuracy"], bucketed["accuracy"])
     assert abs(packed["accuracy"] - bucketed["accuracy"]) <= 0.01

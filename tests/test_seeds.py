@@ -15,6 +15,7 @@ from test_finetune import (
     SENTIMENT_SETTINGS,
     _read_results,
     pretrained_workdir,
+    run_cli,
     sentiment_pretrained_run,
     sentiment_tiny_config,
     small_config,
@@ -175,7 +176,7 @@ def test_four_seeds_on_pretrained_sentiment_rt(tmp_path_factory, shared_data, tm
     init = pretrained_workdir(tmp_path_factory, shared_data)
     one = _read_results(sentiment_pretrained_run(tmp_path_factory, shared_data))
     config = small_config("sentiment_rt", init, shared_data, num_seeds=4, **SENTIMENT_SETTINGS)
-    four = finetune.finetune_and_evaluate(config, str(tmp_path / "four"))
+    four = run_cli(config, str(tmp_path / "four"))  # as the one-seed run: on one device
     accuracies = {s: r["accuracy"] for s, r in four["per_seed"].items()}
     print("sentiment_rt dev: one seed", one["accuracy"], "four seeds", accuracies,
           "median", four["median"]["accuracy"], "failed", four["failed_seeds"])  # fmt: skip

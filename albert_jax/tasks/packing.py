@@ -17,10 +17,12 @@ alone (masked keys get -10000 before the softmax, whose exp is 0 in float32); la
 loss stay per example, [B].
 
 Shapes are bounded: `row_length` is a length bucket of at least `MIN_ROW_LENGTH` tokens (or
-max_seq_length), the slots per row are `row_length // TOKENS_PER_SLOT`, and the row count is a
-multiple of `row_granularity` up to the batch size: log2 buckets x batch / granularity shapes
-at most. In practice a handful, logged by the caller: a batch of B examples of about the same
-length fills between ceil(tokens / row_length) rows and one or two more.
+max_seq_length), the slots per row are `row_length // TOKENS_PER_SLOT`, and the row count is
+on a ladder of `row_granularity` multiples with at most `ROW_COUNTS_PER_OCTAVE` steps from a
+power of two to the next (`round_rows`): log2 buckets x 8 log2 batch shapes at most, and
+at most 1/8 more rows than needed. In practice a handful, logged by the caller: a batch of
+B examples of about the same length fills between ceil(tokens / row_length) rows and a few
+more.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import numpy as np
 
 from albert_jax.tasks.batching import bucket_length
 
-__all__ = ["PackPlan", "plan_packing", "pack_batch", "PACKED_INPUTS"]
+__all__ = ["PackPlan", "plan_packing", "pack_batch", "round_rows", "PACKED_INPUTS"]
 
 # Rows shorter than this hold one or two sentences and fragment badly; attention over a row of
 # 128 costs ~3% of a base layer's FLOPs (4·S·H against 24·H² per token), so longer is cheap.
@@ -41,6 +43,12 @@ MIN_ROW_LENGTH = 128
 # One [CLS] slot per this many tokens of a row: examples have >= 3 tokens, but a slot count
 # that follows the row length keeps `cls_positions` small and the shapes tied to the bucket.
 TOKENS_PER_SLOT = 16
+# Row counts from one power of two (in units of the granularity) to the next: each new count is
+# a compilation (seconds on a CPU, a minute for a large model on an accelerator), each row
+# above the needed ones is padding. 8 keeps the padding under 1/8 of the rows and counts below
+# 16 units exact; sentiment_rt at max_seq_length 40 (1 example a row, 24..32 rows) compiled
+# 9 shapes row by row, 5 on this ladder.
+ROW_COUNTS_PER_OCTAVE = 8
 # The arrays a packed batch adds (and those it replaces keep their names).
 PACKED_INPUTS = ("position_ids", "pack_ids", "cls_positions", "cls_index")
 
@@ -95,8 +103,18 @@ def plan_packing(
     slots = max(1, row_length // TOKENS_PER_SLOT)
     placements = [_first_fit(_lengths(b), row_length, slots) for b in batches]
     needed = max(len(p) for p in placements)
-    rows = math.ceil(needed / row_granularity) * row_granularity
-    return PackPlan(row_length, rows, slots), placements
+    batch = max(len(b["input_mask"]) for b in batches)
+    return PackPlan(row_length, round_rows(needed, row_granularity, batch), slots), placements
+
+
+def round_rows(needed: int, granularity: int, batch: int) -> int:
+    """The rows of a packed shape: `needed` rounded up to a multiple of `granularity` * 2^k,
+    k the largest with at least `ROW_COUNTS_PER_OCTAVE` such steps below `needed` (so 1 up to
+    16 units of the granularity, 2 up to 32, ...), and no more than `batch` (a multiple of the
+    granularity: one example a row is always enough)."""
+    units = math.ceil(needed / granularity)
+    step = 1 << max(0, units.bit_length() - 1 - int(math.log2(ROW_COUNTS_PER_OCTAVE)))
+    return min(math.ceil(units / step) * step * granularity, batch)
 
 
 def pack_batch(
