@@ -45,7 +45,10 @@ def initialize_distributed(
 
 
 def hide_accelerators_from_tensorflow() -> None:
-    """TensorFlow only reads data here (TFDS); it must not grab GPU memory that JAX needs."""
+    """TensorFlow only reads data here (TFDS); it must not grab GPU memory that JAX needs.
+    Imports TensorFlow (when installed): called right where TFDS is about to run it (building
+    a dataset, reading TFRecord or a catalog dataset), so a process that reads only prepared
+    ArrayRecord data, as a pretraining run on local disk does, never pays the ~6 s import."""
     try:
         import tensorflow as tf
     except ImportError:

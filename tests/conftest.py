@@ -4,14 +4,17 @@ import os
 import sys
 
 
-def xla_flags(devices: int) -> str:
+def xla_flags(devices: int, optimize: bool = False) -> str:
     """XLA_FLAGS of every test process, this one and the JAX processes the tests start:
-    `devices` virtual CPU devices, and LLVM's lowest optimization level for the CPU backend.
-    The tests' models are tiny, so compiling is most of their time: at level 0 a compile-bound
-    file took 44% less CPU time (test_model -k last_layer, 203 -> 113 s), a 500-step run 26%
-    more (test_packing -k packed_training, 175 -> 220 s). Processes whose results a test
-    compares must share the flags (codegen may round differently), hence one place."""
-    return f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+    `devices` virtual CPU devices, and LLVM's lowest optimization level for the CPU backend
+    unless `optimize`. The tests' models are tiny, so compiling is most of their time: at level
+    0 a compile-bound file took 44% less CPU time (test_model -k last_layer, 203 -> 113 s). A
+    long run is the other way round: four sentiment_rt seeds, 500 steps on one device, 103 s at
+    level 0 and ~65 s optimized (train-step compiles 3.8 -> 8 s, steps 2.2x faster). Processes
+    whose results a test compares exactly must share the flags (codegen may round
+    differently), hence one place."""
+    level = "" if optimize else " --xla_backend_optimization_level=0"
+    return f"--xla_force_host_platform_device_count={devices}{level}"
 
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -57,12 +60,13 @@ def build_once(path: pathlib.Path, build: Callable[[], object], done=None) -> No
             build()
 
 
-def run_main(config, config_arg: str, workdir, devices: int = 1) -> None:
+def run_main(config, config_arg: str, workdir, devices: int = 1, optimize: bool = False) -> None:
     """`python -m albert_jax.main --config=CONFIG_ARG --workdir=WORKDIR` with a `--config.K=V`
     flag for each field where `config` differs from CONFIG_ARG's (e.g.
-    "configs/finetune.py:task=sentiment_rt,init=DIR"), in a process of `devices` CPU devices:
-    a run whose results no in-process program must match bit for bit is ~1.8x faster a step on
-    one device than SPMD over the tests' 8, and goes through the command users type."""
+    "configs/finetune.py:task=sentiment_rt,init=DIR"), in a process of `devices` CPU devices
+    (`xla_flags(devices, optimize)`): a run whose results no in-process program must match bit
+    for bit is ~1.8x faster a step on one device than SPMD over the tests' 8, and goes through
+    the command users type."""
     import importlib
     import subprocess
 
@@ -78,7 +82,7 @@ def run_main(config, config_arg: str, workdir, devices: int = 1) -> None:
             flags.append(f"--config.{key}={value}")
     command = [sys.executable, "-m", "albert_jax.main", f"--config={config_arg}", *flags,
                f"--workdir={workdir}"]  # fmt: skip
-    env = {**os.environ, "XLA_FLAGS": xla_flags(devices)}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(devices, optimize)}
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode:
         raise AssertionError(f"{' '.join(command)} failed:\n{proc.stderr[-4000:]}")

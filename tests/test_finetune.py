@@ -228,10 +228,11 @@ def sentiment_pretrained_run(tmp_path_factory, shared_data: str) -> str:
     return _cached_run(tmp_path_factory, "finetune_sentiment_rt", make, cli=True)
 
 
-def run_cli(config, workdir) -> dict:
+def run_cli(config, workdir, optimize: bool = False) -> dict:
     """`config` run by `python -m albert_jax.main` on one CPU device (conftest.run_main); its
     eval_results.json."""
-    run_main(config, f"configs/finetune.py:task={config.task},init={config.init}", workdir)
+    arg = f"configs/finetune.py:task={config.task},init={config.init}"
+    run_main(config, arg, workdir, optimize=optimize)
     return _read_results(workdir)
 
 
@@ -306,10 +307,10 @@ def _cached_run(tmp_path_factory, name: str, make_config, cli: bool = False) -> 
 
 
 def cosmos_run(tmp_path_factory, shared_data: str) -> str:
-    """mc_cosmosqa fine-tuned from the pretrained tiny model (workdir)."""
+    """mc_cosmosqa fine-tuned from the pretrained tiny model (workdir), on one device."""
     init = pretrained_workdir(tmp_path_factory, shared_data)
     make = functools.partial(cosmos_config, init, shared_data)
-    return _cached_run(tmp_path_factory, "finetune_cosmos", make)
+    return _cached_run(tmp_path_factory, "finetune_cosmos", make, cli=True)
 
 
 def squad_shifts_run(tmp_path_factory, shared_data: str) -> str:

@@ -15,6 +15,7 @@ from test_finetune import (
     cosmos_config,
     cosmos_run,
     pretrained_workdir,
+    run_cli,
     sentiment_tiny_config,
     squad_shifts_config,
     squad_shifts_run,
@@ -84,22 +85,25 @@ def test_cut_batches_predict_as_padded_ones(
     assert _read_results(str(tmp_path / "buckets_True"))["step"] == 0
 
 
+# Each padded twin trains where its cached run did: mc_cosmosqa (250 steps) on one device
+# through the CLI, squad_shifts (60 steps) in this process, as test_catalog_tasks repeats it.
 @pytest.mark.parametrize(
-    "run, make_config",
-    [(cosmos_run, cosmos_config), (squad_shifts_run, squad_shifts_config)],
+    "run, make_config, train",
+    [
+        (cosmos_run, cosmos_config, run_cli),
+        (squad_shifts_run, squad_shifts_config, finetune.finetune_and_evaluate),
+    ],
     ids=["mc_cosmosqa", "squad_shifts"],
 )
 def test_training_on_cut_batches_scores_as_padded_training(
-    run, make_config, tmp_path_factory, shared_data, tmp_path
+    run, make_config, train, tmp_path_factory, shared_data, tmp_path
 ):
     """The same fine-tuning on batches padded to max_seq_length ends within a point of the
     length-bucketed run (only float summation orders differ). Measured on these and
     sentiment_rt (500 steps): equal to the last digit."""
     cut = _read_results(run(tmp_path_factory, shared_data))
     init = pretrained_workdir(tmp_path_factory, shared_data)
-    padded = finetune.finetune_and_evaluate(
-        make_config(init, shared_data, length_buckets=False), str(tmp_path / "padded")
-    )
+    padded = train(make_config(init, shared_data, length_buckets=False), str(tmp_path / "padded"))
     metric, point = ("accuracy", 0.01) if "accuracy" in padded else ("f1", 1.0)
     assert abs(cut[metric] - padded[metric]) <= point, (cut[metric], padded[metric])
 

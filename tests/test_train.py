@@ -65,23 +65,41 @@ def make_config(overrides):
     return config
 
 
-def main_command(workdir, overrides, devices, **env):
+# `python -m albert_jax.main`, failing (status 3) if it imported TensorFlow: pretraining on
+# prepared ArrayRecord data (a local data dir) reads through TFDS's data sources, never
+# TensorFlow, whose import would cost each run ~6 s.
+WITHOUT_TENSORFLOW = """
+import os, runpy, sys
+try:
+    runpy.run_module("albert_jax.main", run_name="__main__", alter_sys=True)
+finally:
+    if "tensorflow" in sys.modules:
+        sys.stderr.write("the run imported tensorflow\\n")
+        sys.stderr.flush()
+        os._exit(3)
+"""
+
+
+def main_command(workdir, overrides, devices, without_tensorflow=False, **env):
     """(argv, environment) of `python -m albert_jax.main` on the tiny config with `overrides`,
-    on `devices` CPU devices; `env` adds variables."""
+    on `devices` CPU devices (`without_tensorflow`: failing if it imports TensorFlow); `env`
+    adds variables."""
+    run = ["-c", WITHOUT_TENSORFLOW] if without_tensorflow else ["-m", "albert_jax.main"]
     args = [
-        sys.executable, "-m", "albert_jax.main", "--config=configs/pretrain.py:size=tiny",
-        f"--workdir={workdir}",
+        sys.executable, *run, "--config=configs/pretrain.py:size=tiny", f"--workdir={workdir}",
     ] + [f"--config.{k}={v}" for k, v in overrides.items()]  # fmt: skip
     return args, {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(devices), **env}
 
 
 def run_main(workdir, overrides, timeout=600):
-    """`python -m albert_jax.main` in a subprocess on 8 CPU devices; returns the process.
+    """`python -m albert_jax.main` in a subprocess on 8 CPU devices, failing if it imports
+    TensorFlow (the corpus fixture prepared the data); returns the process.
 
     It writes every program it compiles to the session's compilation cache (conftest.py's,
     inherited through the environment): the other subprocess runs of the same config, and
     in-process runs of it (the NaN run below, test_resume_safety's), load them from there."""
-    args, env = main_command(workdir, overrides, 8, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    cache = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    args, env = main_command(workdir, overrides, 8, without_tensorflow=True, **cache)
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, timeout=timeout, text=True)
 
 

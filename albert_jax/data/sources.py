@@ -287,13 +287,13 @@ def build_source(
     """
     source = _as_source(source)
     data_dir = _resolve_data_dir(data_dir)
-    hide_accelerators_from_tensorflow()
     if not source.is_local:
         if files:
             raise ValueError(f"files: catalog dataset {source.name!r} takes no files")
         if rebuild:
             raise ValueError(f"rebuild: catalog dataset {source.name!r} is never built here")
         _check_catalog_name(source.name)
+        hide_accelerators_from_tensorflow()  # catalog datasets are TFRecord: read by TF
         return tfds.builder(source.name, data_dir=data_dir)
     given = (files,) if isinstance(files, str) else tuple(files or source.files)
     builder = _local_builder(source, data_dir, given)
@@ -314,6 +314,7 @@ def build_source(
         if builder.is_prepared():
             check_inputs(builder, source.name, given, data_dir)
             return builder
+        hide_accelerators_from_tensorflow()  # TFDS writes through TensorFlow
         builder.download_and_prepare()
     logging.info("built %s at %s: %s", source.name, builder.data_dir, counters(builder))
     return builder
@@ -337,6 +338,7 @@ def _rebuild(
         delete_prepared(builder)
         # A new builder: the old one holds the deleted dataset's info and file format.
         builder = _local_builder(source, data_dir, given)
+        hide_accelerators_from_tensorflow()
         builder.download_and_prepare()
     logging.info("rebuilt %s at %s: %s", source.name, builder.data_dir, counters(builder))
     return builder
@@ -438,6 +440,7 @@ def _read_shard(
                 yield {"title": files.text(record["title"]), "text": files.text(record["text"])}
         return
     read_config = tfds.ReadConfig(interleave_cycle_length=1)  # files in order: stable order
+    hide_accelerators_from_tensorflow()  # TFRecord (a gs:// data dir) is read by tf.data
     dataset = builder.as_dataset(split=shard, shuffle_files=False, read_config=read_config)
     for record in tfds.as_numpy(dataset.skip(start)):
         yield {"title": files.text(record["title"]), "text": files.text(record["text"])}

@@ -34,10 +34,9 @@ import dataclasses
 import hashlib
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import tensorflow as tf
 import tensorflow_datasets as tfds
 from absl import logging
 
@@ -45,6 +44,9 @@ from albert_jax.data.builders.prepared import fingerprint, new_build_id
 from albert_jax.data.builders.text_files import resolve_files
 from albert_jax.files import is_local
 from albert_jax.process_setup import hide_accelerators_from_tensorflow
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 TRAIN = "train"
 VALIDATION = "validation"
@@ -142,7 +144,6 @@ class LocalTextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     DESCRIPTION = ""
 
     def __init__(self, *, file_format: str | None = None, **kwargs: Any):
-        hide_accelerators_from_tensorflow()
         super().__init__(file_format=file_format, **kwargs)
         # New datasets get the format of their data dir; a prepared one keeps its own.
         if file_format is None and not self.is_prepared():
@@ -250,6 +251,9 @@ class LocalTextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         shuffle_files: bool = False,
     ) -> tf.data.Dataset:
         """tf.data over ArrayRecord files (TFDS itself only reads them via `as_data_source`)."""
+        hide_accelerators_from_tensorflow()
+        import tensorflow as tf  # only here: reading prepared ArrayRecord needs no TensorFlow
+
         if self.info.file_format != tfds.core.FileFormat.ARRAY_RECORD:
             return super()._as_dataset(split, decoders, read_config, shuffle_files)
         if decoders:
