@@ -64,9 +64,9 @@ def run_main(config, config_arg: str, workdir, devices: int = 1, optimize: bool 
     """`python -m albert_jax.main --config=CONFIG_ARG --workdir=WORKDIR` with a `--config.K=V`
     flag for each field where `config` differs from CONFIG_ARG's (e.g.
     "configs/finetune.py:task=sentiment_rt,init=DIR"), in a process of `devices` CPU devices
-    (`xla_flags(devices, optimize)`): a run whose results no in-process program must match bit
-    for bit is ~1.8x faster a step on one device than SPMD over the tests' 8, and goes through
-    the command users type."""
+    (`xla_flags(devices, optimize)`): a run is ~1.8x faster a step on one device than SPMD over
+    the tests' 8, and goes through the command users type. What a test compares exactly with
+    such a run (predictions) must run the same way; in-process runs compare within tolerances."""
     import importlib
     import subprocess
 

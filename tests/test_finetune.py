@@ -228,11 +228,13 @@ def sentiment_pretrained_run(tmp_path_factory, shared_data: str) -> str:
     return _cached_run(tmp_path_factory, "finetune_sentiment_rt", make, cli=True)
 
 
-def run_cli(config, workdir, optimize: bool = False) -> dict:
-    """`config` run by `python -m albert_jax.main` on one CPU device (conftest.run_main); its
+def run_cli(config, workdir) -> dict:
+    """`config` run by `python -m albert_jax.main` on one CPU device, optimized
+    (conftest.run_main): the suite's runs of hundreds of steps, and the evaluations whose
+    predictions must equal theirs (same device count and flags, so the same arithmetic); its
     eval_results.json."""
     arg = f"configs/finetune.py:task={config.task},init={config.init}"
-    run_main(config, arg, workdir, optimize=optimize)
+    run_main(config, arg, workdir, optimize=True)
     return _read_results(workdir)
 
 
@@ -264,12 +266,12 @@ def test_sentiment_rt_beats_the_majority_class(tmp_path_factory, shared_data, tm
         max_seq_length=40,
     )  # fmt: skip
     again.data.train_files = ""  # evaluation only: no training data needed
-    replay = finetune.finetune_and_evaluate(again, str(tmp_path / "replay"))
+    replay = run_cli(again, str(tmp_path / "replay"))  # as the run evaluated: one device
     assert replay["init"]["missing"] == []
     assert replay["accuracy"] == pytest.approx(results["accuracy"], abs=1e-6)
     # Batches padded to max_seq_length (no length buckets) predict exactly the same.
     again.length_buckets = False
-    finetune.finetune_and_evaluate(again, str(tmp_path / "padded"))
+    run_cli(again, str(tmp_path / "padded"))
     with open(tmp_path / "padded" / "predictions.jsonl") as f:
         assert [json.loads(line) for line in f] == rows
 

@@ -175,8 +175,7 @@ def test_four_seeds_on_pretrained_sentiment_rt(tmp_path_factory, shared_data, tm
     and the median, which is within a point of (or above) the one-seed run's."""
     init = pretrained_workdir(tmp_path_factory, shared_data)
     config = small_config("sentiment_rt", init, shared_data, num_seeds=4, **SENTIMENT_SETTINGS)
-    # On one device as the one-seed run, optimized: 2000 seed-steps outweigh 3 compilations.
-    four = run_cli(config, str(tmp_path / "four"), optimize=True)
+    four = run_cli(config, str(tmp_path / "four"))  # as the one-seed run: one device
     # Asked for after the four seeds: meanwhile another worker (test_packing) builds it.
     one = _read_results(sentiment_pretrained_run(tmp_path_factory, shared_data))
     accuracies = {s: r["accuracy"] for s, r in four["per_seed"].items()}

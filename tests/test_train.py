@@ -65,18 +65,20 @@ def make_config(overrides):
     return config
 
 
-# `python -m albert_jax.main`, failing (status 3) if it imported TensorFlow: pretraining on
+# `python -m albert_jax.main`, failing (status 1) if it imported TensorFlow: pretraining on
 # prepared ArrayRecord data (a local data dir) reads through TFDS's data sources, never
 # TensorFlow, whose import would cost each run ~6 s.
 WITHOUT_TENSORFLOW = """
-import os, runpy, sys
+import runpy, sys
 try:
     runpy.run_module("albert_jax.main", run_name="__main__", alter_sys=True)
-finally:
-    if "tensorflow" in sys.modules:
-        sys.stderr.write("the run imported tensorflow\\n")
-        sys.stderr.flush()
-        os._exit(3)
+except SystemExit as exit:
+    status = exit.code
+else:
+    status = 0
+if "tensorflow" in sys.modules:
+    sys.exit("the run imported tensorflow")
+sys.exit(status)
 """
 
 

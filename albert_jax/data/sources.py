@@ -314,7 +314,6 @@ def build_source(
         if builder.is_prepared():
             check_inputs(builder, source.name, given, data_dir)
             return builder
-        hide_accelerators_from_tensorflow()  # TFDS writes through TensorFlow
         builder.download_and_prepare()
     logging.info("built %s at %s: %s", source.name, builder.data_dir, counters(builder))
     return builder
@@ -338,7 +337,6 @@ def _rebuild(
         delete_prepared(builder)
         # A new builder: the old one holds the deleted dataset's info and file format.
         builder = _local_builder(source, data_dir, given)
-        hide_accelerators_from_tensorflow()
         builder.download_and_prepare()
     logging.info("rebuilt %s at %s: %s", source.name, builder.data_dir, counters(builder))
     return builder

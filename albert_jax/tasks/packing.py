@@ -19,8 +19,9 @@ loss stay per example, [B].
 Shapes are bounded: `row_length` is a length bucket of at least `MIN_ROW_LENGTH` tokens (or
 max_seq_length), the slots per row are `row_length // TOKENS_PER_SLOT`, and the row count is
 on a ladder of `row_granularity` multiples with at most `ROW_COUNTS_PER_OCTAVE` steps from a
-power of two to the next (`round_rows`): log2 buckets x 8 log2 batch shapes at most, and
-at most 1/8 more rows than needed. In practice a handful, logged by the caller: a batch of
+power of two to the next, counted in units of the granularity (`round_rows`): at most 8
+counts per octave of batch / granularity for each length bucket, and above 16 units at most
+1/8 more units than needed. In practice a handful, logged by the caller: a batch of
 B examples of about the same length fills between ceil(tokens / row_length) rows and a few
 more.
 """
@@ -109,9 +110,9 @@ def plan_packing(
 
 def round_rows(needed: int, granularity: int, batch: int) -> int:
     """The rows of a packed shape: `needed` rounded up to a multiple of `granularity` * 2^k,
-    k the largest with at least `ROW_COUNTS_PER_OCTAVE` such steps below `needed` (so 1 up to
-    16 units of the granularity, 2 up to 32, ...), and no more than `batch` (a multiple of the
-    granularity: one example a row is always enough)."""
+    k the largest with `ROW_COUNTS_PER_OCTAVE` * 2^k <= ceil(needed / granularity) (so k = 0
+    up to 15 units of the granularity, 1 from 16 to 31, ...), and no more than `batch` (a
+    multiple of the granularity: one example a row is always enough)."""
     units = math.ceil(needed / granularity)
     step = 1 << max(0, units.bit_length() - 1 - int(math.log2(ROW_COUNTS_PER_OCTAVE)))
     return min(math.ceil(units / step) * step * granularity, batch)

@@ -143,6 +143,11 @@ class LocalTextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     FILE_SUFFIXES: tuple[str, ...] = ()
     DESCRIPTION = ""
 
+    def download_and_prepare(self, *args: Any, **kwargs: Any) -> None:
+        """TFDS's, after hiding the accelerators from TensorFlow, which writes the dataset."""
+        hide_accelerators_from_tensorflow()
+        super().download_and_prepare(*args, **kwargs)
+
     def __init__(self, *, file_format: str | None = None, **kwargs: Any):
         super().__init__(file_format=file_format, **kwargs)
         # New datasets get the format of their data dir; a prepared one keeps its own.
