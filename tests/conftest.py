@@ -89,7 +89,8 @@ def run_main(config, config_arg: str, workdir, devices: int = 1, optimize: bool 
 
 
 def _leaves(tree: dict, prefix: str = "") -> dict:
-    """{"a.b": leaf} of a nested dict."""
+    """{"a.b": leaf} of a nested dict. Not `albert_jax.trees.flatten`: a pytree drops None
+    fields and splits tuples into elements, neither of which a `--config.a.b` flag can set."""
     out = {}
     for key, value in tree.items():
         if isinstance(value, dict):
