@@ -438,7 +438,6 @@ def _read_shard(
                 yield {"title": files.text(record["title"]), "text": files.text(record["text"])}
         return
     read_config = tfds.ReadConfig(interleave_cycle_length=1)  # files in order: stable order
-    hide_accelerators_from_tensorflow()  # TFRecord (a gs:// data dir) is read by tf.data
     dataset = builder.as_dataset(split=shard, shuffle_files=False, read_config=read_config)
     for record in tfds.as_numpy(dataset.skip(start)):
         yield {"title": files.text(record["title"]), "text": files.text(record["text"])}
