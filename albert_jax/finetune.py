@@ -165,14 +165,39 @@ class FineTuning:
         self.buckets = bucket_lengths(config.max_seq_length)
         self.lengths_seen: set[int] = set()  # length buckets compiled so far
         self.packed_shapes: set[packing.PackPlan] = set()  # packed training shapes so far
-        self.packing = bool(config.pack_examples) and self.kind.packable
         # Packed rows per seed: a multiple of the data shards and processes that split them,
         # and no coarser: on sentiment_rt at batch 32, multiples of 4 rows cost 8% more tokens
         # than multiples of 1 (32.4 against 30.0 a row) for 2 shapes instead of 4.
         self.row_granularity = math.lcm(rows, jax.process_count())
+        self.packing = self._packs(config.pack_examples)
         self.report: dict[str, Any] | None = None  # InitReport.as_dict()
         self.results: dict[str, Any] = {}  # of the last evaluation
         self.predictions: dict[int, list[Any]] = {}  # {seed: [predictions of each eval set]}
+
+    def _packs(self, wanted: bool | None) -> bool:
+        """Whether training batches are packed: `config.pack_examples`, or with None (auto)
+        whether packed rows of the first steps' batches hold at most
+        `packing.AUTO_MAX_PACKED_SHARE` of their unpacked tokens. A pure function of the
+        config and the training features, so every process and every resume decides alike."""
+        if not self.kind.packable or wanted is False or self.total_steps == 0:
+            return False
+        if wanted:
+            return True
+        steps = [
+            [train_batch(self.train_arrays, step, int(self.config.batch_size), s)
+             for s in self.seeds]
+            for step in range(min(packing.AUTO_SAMPLE_STEPS, self.total_steps))
+        ]  # fmt: skip
+        share = packing.packed_share(
+            steps, self.config.max_seq_length, self.row_granularity, self.config.length_buckets
+        )
+        packs = share <= packing.AUTO_MAX_PACKED_SHARE
+        logging.info(
+            "pack_examples=None (auto): packed rows would hold %.2f of the tokens of the first "
+            "%d steps' batches unpacked: packing %s (on at <= %.2f)", share, len(steps),
+            "on" if packs else "off", packing.AUTO_MAX_PACKED_SHARE,
+        )  # fmt: skip
+        return packs
 
     def _tokenizer(self, pretrained: Any) -> tuple[Any, str | None]:
         from albert_jax.data.tokenizer import Tokenizer
@@ -410,6 +435,7 @@ class FineTuning:
                 "files": self.train_set.name,
                 **read(self.train_set.stats),
                 "featurization": self.train_features.stats.as_dict(),
+                "packed": self.packing,  # config.pack_examples, or what auto decided
             },
             "eval": [
                 {"set": s.name, **read(s.stats), "featurization": f.stats.as_dict()}

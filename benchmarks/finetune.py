@@ -277,7 +277,7 @@ def measure_length(
     mesh = create_mesh(*mesh_layout(config))  # every device of the process
     steps = warmup_steps + timed_steps
     with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
-        ours = Ours(config, workdir, mesh)  # packed rows (config.pack_examples)
+        ours = Ours(config, workdir, mesh)  # packed rows: what pack_examples=None picks here
         ours.compile(steps)
         contenders: dict[str, Callable[[int], Any]] = {"ours": ours.step}
         if args.buckets:

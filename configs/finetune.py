@@ -87,8 +87,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.max_seq_length = 512  # tokens per sequence (per option for multiple choice)
     c.length_buckets = True  # cut each batch to 32·2^k tokens (<= max_seq_length) it fits in
     # Training batches of one-sequence tasks (classification, regression): several examples per
-    # row, no padding between them (tasks/packing.py); the others use length buckets.
-    c.pack_examples = True
+    # row, no padding between them (tasks/packing.py); the others use length buckets. None
+    # (auto): packed when the rows would hold <= 3/4 of the unpacked tokens (packing.
+    # AUTO_MAX_PACKED_SHARE), i.e. when examples are short against max_seq_length.
+    c.pack_examples = ml_collections.FieldReference(None, field_type=bool)
     c.max_qa_length = 128  # multiple choice: tokens kept of question+option (official RACE)
     c.max_query_length = 64  # SQuAD: tokens kept of the question
     c.doc_stride = 128  # SQuAD: tokens between the starts of consecutive context windows

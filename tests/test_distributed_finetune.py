@@ -50,6 +50,8 @@ def overrides(tokenizer: str, shared_data: str) -> dict[str, object]:
         "eval_batch_size": 64, "max_seq_length": 32, "log_every_steps": 1,
         "checkpoint_every_steps": 4, "keep_checkpoints": 5,
         "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "num_seeds": len(SEEDS),
+        # Packed rows, split between the processes (auto would not pack 32-token rows).
+        "pack_examples": True,
     }  # fmt: skip
 
 
@@ -126,6 +128,7 @@ def test_two_processes_train_and_predict_as_one(runs):
     results = json.loads(_read(dist.workdir, finetune.EVAL_RESULTS_FILE))
     expected_results = json.loads(_read(single, finetune.EVAL_RESULTS_FILE))
     assert results["num_seeds"] == len(SEEDS) and results["step"] == STEPS
+    assert results["data"]["train"]["packed"]
     for seed in SEEDS:
         assert results["per_seed"][seed]["num_examples"] == 128
         assert results["per_seed"][seed] == expected_results["per_seed"][seed]

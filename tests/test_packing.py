@@ -130,13 +130,28 @@ def test_packed_rows_give_the_logits_and_gradients_of_separate_rows(scan):
     )
 
 
+def test_auto_packs_where_rows_hold_several_examples(tmp_path_factory, shared_data):
+    """`pack_examples=None` packs when the rows would hold at most AUTO_MAX_PACKED_SHARE of the
+    unpacked tokens: at 512 sentences share 128-token rows, at 40 a row holds one of them."""
+    shares, steps = {}, {}
+    for length in (40, 512):
+        arrays = _sentiment_features(tmp_path_factory, shared_data, length)
+        steps[length] = [[train_batch(arrays, step, 32, seed=0)] for step in range(64)]
+        shares[length] = packing.packed_share(steps[length], length, 1, length_buckets=True)
+    assert shares[512] < 0.5 < packing.AUTO_MAX_PACKED_SHARE < shares[40] < 1, shares
+    # Without length buckets unpacked rows are padded to max_seq_length: packing saves more.
+    assert packing.packed_share(steps[512], 512, 1, length_buckets=False) < shares[512] / 2
+
+
 def test_packed_training_scores_as_bucketed_training(tmp_path_factory, shared_data, tmp_path):
     """The tiny pretrained model fine-tuned on sentiment_rt (500 steps, the cached run of
-    test_finetune, packed by default) ends within a point of the same run on length buckets."""
-    packed = _read_results(sentiment_pretrained_run(tmp_path_factory, shared_data))
+    test_finetune, at max_seq_length 40 on length buckets: auto does not pack one example a
+    row) ends within a point of the same run forced to pack."""
+    bucketed = _read_results(sentiment_pretrained_run(tmp_path_factory, shared_data))
     init = pretrained_workdir(tmp_path_factory, shared_data)
     config = small_config("sentiment_rt", init, shared_data, **SENTIMENT_SETTINGS)
-    config.pack_examples = False
-    bucketed = run_cli(config, str(tmp_path / "bucketed"))  # as the packed run: one device
+    config.pack_examples = True
+    packed = run_cli(config, str(tmp_path / "packed"))  # as the bucketed run: one device
     print("sentiment_rt packed / bucketed:", packed["accuracy"], bucketed["accuracy"])
+    assert not bucketed["data"]["train"]["packed"] and packed["data"]["train"]["packed"]
     assert abs(packed["accuracy"] - bucketed["accuracy"]) <= 0.01
