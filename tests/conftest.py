@@ -60,13 +60,31 @@ def build_once(path: pathlib.Path, build: Callable[[], object], done=None) -> No
             build()
 
 
+def main_command(
+    config_arg: str,
+    workdir,
+    flags: dict,
+    devices: int,
+    optimize: bool = False,
+    runner: tuple[str, ...] = ("-m", "albert_jax.main"),
+    **env: str,
+) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of `python -m albert_jax.main --config=CONFIG_ARG --workdir=WORKDIR`
+    with `--config.K=V` for each of `flags`, in a process of `devices` CPU devices
+    (`xla_flags(devices, optimize)`); `runner` replaces `-m albert_jax.main` (e.g. a `-c`
+    wrapper that runs it), `env` adds variables. The one place the tests build that command."""
+    argv = [sys.executable, *runner, f"--config={config_arg}", f"--workdir={workdir}"]
+    argv += [f"--config.{k}={v}" for k, v in flags.items()]
+    xla = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(devices, optimize)}
+    return argv, {**os.environ, **xla, **env}
+
+
 def run_main(config, config_arg: str, workdir, devices: int = 1, optimize: bool = False) -> None:
-    """`python -m albert_jax.main --config=CONFIG_ARG --workdir=WORKDIR` with a `--config.K=V`
-    flag for each field where `config` differs from CONFIG_ARG's (e.g.
-    "configs/finetune.py:task=sentiment_rt,init=DIR"), in a process of `devices` CPU devices
-    (`xla_flags(devices, optimize)`): a run is ~1.8x faster a step on one device than SPMD over
-    the tests' 8, and goes through the command users type. What a test compares exactly with
-    such a run (predictions) must run the same way; in-process runs compare within tolerances."""
+    """`main_command` with a flag for each field where `config` differs from CONFIG_ARG's (e.g.
+    "configs/finetune.py:task=sentiment_rt,init=DIR"), run to its end: a run is ~1.8x faster
+    a step on one device than SPMD over the tests' 8, and goes through the command users type.
+    What a test compares exactly with such a run (predictions) must run the same way;
+    in-process runs compare within tolerances."""
     import importlib
     import subprocess
 
@@ -74,15 +92,13 @@ def run_main(config, config_arg: str, workdir, devices: int = 1, optimize: bool 
     module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
     base, wanted = _leaves(module.get_config(arg).to_dict()), _leaves(config.to_dict())
     assert base.keys() == wanted.keys(), set(base) ^ set(wanted)
-    flags = []
+    flags = {}
     for key, value in wanted.items():
         if value != base[key]:
             if not isinstance(value, str | int | float | bool):
                 raise TypeError(f"config.{key}={value!r}: not expressible as a flag here")
-            flags.append(f"--config.{key}={value}")
-    command = [sys.executable, "-m", "albert_jax.main", f"--config={config_arg}", *flags,
-               f"--workdir={workdir}"]  # fmt: skip
-    env = {**os.environ, "XLA_FLAGS": xla_flags(devices, optimize)}
+            flags[key] = value
+    command, env = main_command(config_arg, workdir, flags, devices, optimize)
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode:
         raise AssertionError(f"{' '.join(command)} failed:\n{proc.stderr[-4000:]}")

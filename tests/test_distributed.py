@@ -37,9 +37,9 @@ from etils import epath
 from test_train import (
     assert_trees_equal,
     losses_by_step,
-    main_command,
     make_config,
     small_overrides,
+    tiny_command,
 )
 
 from albert_jax import checkpointing, metrics_writer, train
@@ -171,7 +171,7 @@ def pretrain_job(
     """The tiny pretraining config with `overrides` as a `Job` of `devices` CPU devices per
     process (the tests' XLA flags, see the module docstring); run in `cwd` when given (the
     config file then by its absolute path), else in the repository."""
-    args, env = main_command(
+    args, env = tiny_command(
         workdir,
         overrides,
         devices,

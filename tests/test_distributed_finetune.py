@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import jax
 import numpy as np
 import pytest
-from conftest import xla_flags
+from conftest import main_command
 from test_distributed import Job, assert_one_writer, assert_preempted_together
 from test_finetune import _override, task_files, tiny_tokenizer_path
 
@@ -58,18 +57,10 @@ def overrides(tokenizer: str, shared_data: str) -> dict[str, object]:
 def finetune_command(workdir, fields: dict[str, object], devices: int):
     """(argv, environment) of `python -m albert_jax.main` on `configs/finetune.py` with `fields`
     as command-line overrides, on `devices` CPU devices per process."""
-    args = [
-        sys.executable, "-m", "albert_jax.main", f"--config=configs/finetune.py:task={TASK}",
-        f"--workdir={workdir}",
-    ] + [f"--config.{k}={v}" for k, v in fields.items()]  # fmt: skip
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": xla_flags(devices),
-        "JAX_NUM_CPU_DEVICES": str(devices),
-        "TF_CPP_MIN_LOG_LEVEL": "2",
-    }
-    return args, env
+    return main_command(
+        f"configs/finetune.py:task={TASK}", workdir, fields, devices,
+        JAX_NUM_CPU_DEVICES=str(devices), TF_CPP_MIN_LOG_LEVEL="2",
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -36,8 +36,8 @@ from test_train import (
     compile_counter,  # noqa: F401 (a fixture)
     final_state,
     losses_by_step,
-    main_command,
     small_overrides,
+    tiny_command,
 )
 
 from albert_jax import checkpointing, finetune, load_pretrained, metrics_writer
@@ -119,7 +119,7 @@ def pretraining(gcs, dataset, tmp_path_factory):
     }
 
     def run(workdir, overrides):
-        args, env = main_command(
+        args, env = tiny_command(
             workdir,
             overrides,
             8,

@@ -22,9 +22,9 @@ from test_train import (
     assert_trees_equal,
     final_state,
     losses_by_step,
-    main_command,
     make_config,
     small_overrides,
+    tiny_command,
 )
 
 from albert_jax import checkpointing, train
@@ -124,7 +124,7 @@ def test_failed_save_stops_the_run_naming_step_and_path(corpus, trained, tmp_pat
     # The workdir's own tokenizer: nothing large is copied at the start.
     tokenizer = os.path.join(workdir, checkpointing.TOKENIZER_FILE)
     overrides = small_overrides(corpus, num_train_steps=20, **{"data.tokenizer": tokenizer})
-    args, env = main_command(workdir, overrides, 8, JAX_COMPILATION_CACHE_DIR="")
+    args, env = tiny_command(workdir, overrides, 8, JAX_COMPILATION_CACHE_DIR="")
     error_file = str(tmp_path / "error.txt")
     assert args[1:3] == ["-m", "albert_jax.main"]
     args = [args[0], "-c", _MAIN_RECORDING_ITS_ERROR, error_file, *args[3:]]

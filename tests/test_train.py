@@ -18,7 +18,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import xla_flags
+from conftest import main_command
 
 from albert_jax import checkpointing, metrics_writer, train
 from configs import pretrain
@@ -82,18 +82,16 @@ sys.exit(status)
 """
 
 
-def main_command(workdir, overrides, devices, without_tensorflow=False, **env):
-    """(argv, environment) of `python -m albert_jax.main` on the tiny config with `overrides`,
-    on `devices` CPU devices (`without_tensorflow`: failing if it imports TensorFlow); `env`
-    adds variables."""
-    run = ["-c", WITHOUT_TENSORFLOW] if without_tensorflow else ["-m", "albert_jax.main"]
-    args = [
-        sys.executable, *run, "--config=configs/pretrain.py:size=tiny", f"--workdir={workdir}",
-    ] + [f"--config.{k}={v}" for k, v in overrides.items()]  # fmt: skip
-    return args, {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(devices), **env}
+def tiny_command(workdir, overrides, devices, without_tensorflow=False, **env):
+    """`conftest.main_command` on the tiny pretraining config with `overrides`
+    (`without_tensorflow`: failing if the run imports TensorFlow); `env` adds variables."""
+    runner = ("-c", WITHOUT_TENSORFLOW) if without_tensorflow else ("-m", "albert_jax.main")
+    return main_command(
+        "configs/pretrain.py:size=tiny", workdir, overrides, devices, runner=runner, **env
+    )
 
 
-def run_main(workdir, overrides, timeout=600):
+def run_tiny(workdir, overrides, timeout=600):
     """`python -m albert_jax.main` in a subprocess on 8 CPU devices, failing if it imports
     TensorFlow (the corpus fixture prepared the data); returns the process.
 
@@ -101,7 +99,7 @@ def run_main(workdir, overrides, timeout=600):
     inherited through the environment): the other subprocess runs of the same config, and
     in-process runs of it (the NaN run below, test_resume_safety's), load them from there."""
     cache = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    args, env = main_command(workdir, overrides, 8, without_tensorflow=True, **cache)
+    args, env = tiny_command(workdir, overrides, 8, without_tensorflow=True, **cache)
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, timeout=timeout, text=True)
 
 
@@ -136,20 +134,20 @@ def interrupted_runs(corpus, tmp_path_factory):
     straight, chain = str(root / "straight"), str(root / "chain")
     base = small_overrides(corpus)
     out = {"straight": straight, "chain": chain}
-    out["straight_proc"] = run_main(straight, base)
-    out["sigterm_proc"] = run_main(chain, {**base, "debug.sigterm_after_step": 3})
+    out["straight_proc"] = run_tiny(straight, base)
+    out["sigterm_proc"] = run_tiny(chain, {**base, "debug.sigterm_after_step": 3})
     out["after_sigterm_steps"] = final_steps(chain)
     out["after_sigterm_losses"] = losses_by_step(chain)
     # A new workdir that starts from the chain's step 3 (config.resume_from: full state).
     out["other"] = other = str(root / "other")
     # SIGTERM again, during its last step: that step's save is the final one anyway.
     resume_from = {**base, "resume_from": chain, "debug.sigterm_after_step": 8}
-    out["resume_from_proc"] = run_main(other, resume_from)
+    out["resume_from_proc"] = run_tiny(other, resume_from)
     killed = {**base, "checkpoint_every_steps": 2, "debug.sigkill_after_save_at_step": 6}
-    out["sigkill_proc"] = run_main(chain, killed)
+    out["sigkill_proc"] = run_tiny(chain, killed)
     out["after_sigkill_dirs"] = sorted(os.listdir(checkpointing.checkpoint_dir(chain)))
     out["after_sigkill_steps"] = final_steps(chain)
-    out["resume_proc"] = run_main(chain, base)
+    out["resume_proc"] = run_tiny(chain, base)
     return out
 
 
@@ -260,7 +258,7 @@ def test_same_loss_on_every_mesh(corpus, tmp_path):
     # The reference: one device, in a process that has only that one (every device of a job
     # is in its mesh, so a 1-device run needs a 1-device process).
     single = str(tmp_path / "1x1x1")
-    args, env = main_command(single, overrides, 1)
+    args, env = tiny_command(single, overrides, 1)
     proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, timeout=600, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     reference = [losses_by_step(single)[s] for s in (1, 2)]
