@@ -210,8 +210,8 @@ def test_local_task_needs_files(tmp_path):
 
 
 # -------------------------------------------------------------------------- local fine-tuning
-# The sentiment_rt run from the pretrained tiny model (test_seeds runs its four seeds;
-# test_packing trains it packed: at max_seq_length 40 the default does not pack). Keep 500
+# The sentiment_rt run from the pretrained tiny model (test_seeds runs its four seeds, packed;
+# at max_seq_length 40 the default does not pack). Keep 500
 # steps: measured, 350 gave seed 0 0.629 but a four-seed median of 0.596 (test_seeds'
 # within-a-point check fails), 250 left a seed at the majority class (0.569 for seed 0):
 # fewer steps are still mid-learning, where seeds differ.
@@ -222,8 +222,8 @@ SENTIMENT_SETTINGS = dict(
 
 
 def sentiment_pretrained_run(tmp_path_factory, shared_data: str) -> str:
-    """The one-seed run (test_seeds compares seed 0 of four with it, test_packing its packed
-    twin), on one device (`run_cli`): 500 steps, the suite's longest single run."""
+    """The one-seed run (test_seeds compares seed 0 of four packed seeds with it), on one
+    device (`run_cli`): 500 steps, the suite's longest single run."""
     init = pretrained_workdir(tmp_path_factory, shared_data)
     make = functools.partial(small_config, "sentiment_rt", init, shared_data, **SENTIMENT_SETTINGS)
     return _cached_run(tmp_path_factory, "finetune_sentiment_rt", make, cli=True)

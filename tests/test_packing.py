@@ -1,7 +1,8 @@
 """Several examples per row (tasks/packing.py, `config.pack_examples`): every example placed
 once with its own positions and [CLS], a bounded set of shapes on real features, the same
-logits and gradients as unpacked batches, training that scores as bucketed training, and
-bit-exact resume (test_length_buckets.py, both ways)."""
+logits and gradients as unpacked batches, when auto packs; training that scores as unpacked
+training (test_seeds.py's four seeds, packed) and bit-exact resume (test_length_buckets.py,
+both ways)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,7 @@ import jax
 import numpy as np
 import pytest
 from test_finetune import (
-    SENTIMENT_SETTINGS,
-    _read_results,
-    pretrained_workdir,
-    run_cli,
-    sentiment_pretrained_run,
     sentiment_tiny_config,
-    small_config,
     tiny_tokenizer_path,
 )
 
@@ -141,17 +136,3 @@ def test_auto_packs_where_rows_hold_several_examples(tmp_path_factory, shared_da
     assert shares[512] < 0.5 < packing.AUTO_MAX_PACKED_SHARE < shares[40] < 1, shares
     # Without length buckets unpacked rows are padded to max_seq_length: packing saves more.
     assert packing.packed_share(steps[512], 512, 1, length_buckets=False) < shares[512] / 2
-
-
-def test_packed_training_scores_as_bucketed_training(tmp_path_factory, shared_data, tmp_path):
-    """The tiny pretrained model fine-tuned on sentiment_rt (500 steps, the cached run of
-    test_finetune, at max_seq_length 40 on length buckets: auto does not pack one example a
-    row) ends within a point of the same run forced to pack."""
-    bucketed = _read_results(sentiment_pretrained_run(tmp_path_factory, shared_data))
-    init = pretrained_workdir(tmp_path_factory, shared_data)
-    config = small_config("sentiment_rt", init, shared_data, **SENTIMENT_SETTINGS)
-    config.pack_examples = True
-    packed = run_cli(config, str(tmp_path / "packed"))  # as the bucketed run: one device
-    print("sentiment_rt packed / bucketed:", packed["accuracy"], bucketed["accuracy"])
-    assert not bucketed["data"]["train"]["packed"] and packed["data"]["train"]["packed"]
-    assert abs(packed["accuracy"] - bucketed["accuracy"]) <= 0.01

@@ -172,12 +172,18 @@ def test_failed_seeds_are_restarted_with_fresh_seeds(tmp_path_factory, shared_da
 # ------------------------------------------------------------- the issue's acceptance figure
 def test_four_seeds_on_pretrained_sentiment_rt(tmp_path_factory, shared_data, tmp_path):
     """Tiny pretrained → sentiment_rt: four seeds in one program report each seed's accuracy
-    and the median, which is within a point of (or above) the one-seed run's."""
+    and the median, which is within a point of (or above) the one-seed run's.
+
+    The four seeds are packed, the one-seed run is not (at max_seq_length 40 auto keeps one
+    example a row on length buckets): seed 0, that same run in packed rows next to three other
+    seeds, also shows packed training scoring as unpacked training."""
     init = pretrained_workdir(tmp_path_factory, shared_data)
     config = small_config("sentiment_rt", init, shared_data, num_seeds=4, **SENTIMENT_SETTINGS)
+    config.pack_examples = True
     four = run_cli(config, str(tmp_path / "four"))  # as the one-seed run: one device
-    # Asked for after the four seeds: meanwhile another worker (test_packing) builds it.
+    # Asked for after the four seeds: meanwhile another worker may build it.
     one = _read_results(sentiment_pretrained_run(tmp_path_factory, shared_data))
+    assert four["data"]["train"]["packed"] and not one["data"]["train"]["packed"]
     accuracies = {s: r["accuracy"] for s, r in four["per_seed"].items()}
     print("sentiment_rt dev: one seed", one["accuracy"], "four seeds", accuracies,
           "median", four["median"]["accuracy"], "failed", four["failed_seeds"])  # fmt: skip
