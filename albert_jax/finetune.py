@@ -176,16 +176,17 @@ class FineTuning:
 
     def _packs(self, wanted: bool | None) -> bool:
         """Whether training batches are packed: `config.pack_examples`, or with None (auto)
-        whether packed rows of the first steps' batches hold at most
-        `packing.AUTO_MAX_PACKED_SHARE` of their unpacked tokens. A pure function of the
-        config and the training features, so every process and every resume decides alike."""
-        if not self.kind.packable or wanted is False or self.total_steps == 0:
+        whether packed rows of the first steps' batches of `config.seed` hold at most
+        `packing.AUTO_MAX_PACKED_SHARE` of their unpacked tokens. A function of the config,
+        the training features and the row granularity (the mesh), the same on every process
+        and for any `num_seeds`; a resume keeps the decision its checkpoint recorded (`start`)."""
+        if not self.kind.packable or self.total_steps == 0:
             return False
-        if wanted:
-            return True
+        if wanted is not None:
+            return bool(wanted)
         steps = [
-            [train_batch(self.train_arrays, step, int(self.config.batch_size), s)
-             for s in self.seeds]
+            [train_batch(self.train_arrays, step, int(self.config.batch_size),
+                         int(self.config.seed))]
             for step in range(min(packing.AUTO_SAMPLE_STEPS, self.total_steps))
         ]  # fmt: skip
         share = packing.packed_share(
@@ -276,13 +277,16 @@ class FineTuning:
             "num_train_steps": int(self.total_steps),
             "num_train_features": len(self.train_features),
             "train_fingerprint": self.train_fingerprint,
+            "packed": self.packing,  # auto's decision, kept on resume (`start`)
         }
 
     def check_resume(self, saved: Any, step: int) -> None:
         expected = self.data_state(step)
         if not isinstance(saved, dict):
             raise ValueError(f"{self.workdir}: checkpoint {step} has no data state: {saved!r}")
-        differ = sorted(k for k, v in expected.items() if k in saved and saved[k] != v)
+        differ = sorted(
+            k for k, v in expected.items() if k in saved and saved[k] != v and k != "packed"
+        )
         if differ:
             details = ", ".join(f"{k}: saved {saved[k]!r}, now {expected[k]!r}" for k in differ)
             raise ValueError(
@@ -292,7 +296,14 @@ class FineTuning:
             )
 
     def start(self, step: int, saved_data: Any, meta: Mapping[str, Any] | None) -> None:
-        del saved_data  # batches are a pure function of the step (`next_batch`)
+        # Batches are a pure function of the step (`next_batch`) and of the packing decision:
+        # a run resumed on another mesh keeps the layout auto chose at its start, so the
+        # resume stays bit-exact; a forced `pack_examples` is the user's to change.
+        saved_packing = saved_data.get("packed") if isinstance(saved_data, dict) else None
+        if saved_packing is not None and self.config.pack_examples is None:
+            if bool(saved_packing) != self.packing:
+                logging.info("resumed with the checkpoint's packing decision: %s", saved_packing)
+            self.packing = bool(saved_packing)
         if meta is not None:  # resumed: the init report of the run's first start
             logging.info("resumed fine-tuning at step %d from %s", step, self.workdir)
             self.report = meta.get("init")
@@ -512,6 +523,8 @@ def _restart_failed_seeds(config: Any, workdir: str, results: dict[str, Any]) ->
     restart.seed = max(results["seeds"]) + 1
     restart.num_seeds = len(failed)
     restart.restart_failed_seeds = False
+    # The new seeds join the median: the same batch layout as the seeds they replace.
+    restart.pack_examples = bool(results["data"]["train"]["packed"])
     logging.warning("restarting failed seeds %s as seeds %s",
                     [f["seed"] for f in failed],
                     seeds.seeds_of(restart.seed, restart.num_seeds))  # fmt: skip

@@ -129,6 +129,7 @@ def make_config(args: argparse.Namespace, tokenizer: str, max_seq_length: int) -
     config.data.tokenizer = tokenizer
     config.max_seq_length = max_seq_length
     config.batch_size = args.batch
+    config.pack_examples = True  # ours is the packed step (and `--buckets` the unpacked one)
     if pretrain.get_config(f"size={args.size}").model.get("max_position_embeddings", 512) < (
         max_seq_length
     ):  # tiny: 128 positions
@@ -277,7 +278,7 @@ def measure_length(
     mesh = create_mesh(*mesh_layout(config))  # every device of the process
     steps = warmup_steps + timed_steps
     with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
-        ours = Ours(config, workdir, mesh)  # packed rows: what pack_examples=None picks here
+        ours = Ours(config, workdir, mesh)  # packed rows (config.pack_examples)
         ours.compile(steps)
         contenders: dict[str, Callable[[int], Any]] = {"ours": ours.step}
         if args.buckets:

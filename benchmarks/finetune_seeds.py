@@ -2,7 +2,7 @@
 
 `python benchmarks/finetune_seeds.py --json [--size=tiny|base] [--steps=100] [--step_only]`
 prints one JSON line. The same config (configs/finetune.py:task=sentiment_rt from scratch, the
-`--size` preset, batch 32, max_seq_length 128, length buckets on) run two ways:
+`--size` preset, batch 32, max_seq_length 128, packed rows) run two ways:
 
 - `seeds4_step_over_sequential`: N x the median step time of the one-seed program over the
   median step time of the N-seed program (the same steps' batches, interleaved one step each,
@@ -61,6 +61,7 @@ def make_config(args: argparse.Namespace, tokenizer: str, num_seeds: int, seed: 
     c.data.tokenizer, c.data.max_eval_examples = tokenizer, args.eval_examples
     c.max_seq_length, c.batch_size, c.num_train_steps = 128, 32, args.steps
     c.log_every_steps = max(args.steps, 1)
+    c.pack_examples = True  # one layout for both programs, as the README's figures were taken
     return c
 
 

@@ -139,7 +139,7 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
 LONG_FILES = (
     "test_seeds.py", "test_distributed.py", "test_train.py", "test_length_buckets.py",
     "test_distributed_finetune.py", "test_gcs_journey.py", "test_finetune.py",
-    "test_mixed_precision.py", "test_packing.py", "test_resume_safety.py", "test_notebook.py",
+    "test_mixed_precision.py", "test_resume_safety.py", "test_notebook.py",
 )  # fmt: skip
 
 

@@ -136,3 +136,41 @@ def test_auto_packs_where_rows_hold_several_examples(tmp_path_factory, shared_da
     assert shares[512] < 0.5 < packing.AUTO_MAX_PACKED_SHARE < shares[40] < 1, shares
     # Without length buckets unpacked rows are padded to max_seq_length: packing saves more.
     assert packing.packed_share(steps[512], 512, 1, length_buckets=False) < shares[512] / 2
+
+
+def _objective(config, workdir):
+    """The FineTuning objective of `config` on its mesh, as the loop builds it."""
+    import flax.linen as nn
+
+    from albert_jax.finetune import FineTuning, validate_config
+    from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
+    from albert_jax.train_config import mesh_layout
+
+    mesh = create_mesh(*mesh_layout(config))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
+        return FineTuning(config, str(workdir), validate_config(config), mesh)
+
+
+@pytest.mark.parametrize(
+    "max_seq_length, batch_size, packs", [(128, 64, True), (32, 32, False)], ids=["128", "32"]
+)
+def test_auto_decides_once_a_run(
+    max_seq_length, batch_size, packs, tmp_path_factory, shared_data, tmp_path
+):
+    """Auto (`pack_examples=None`) packs sentences in rows of 128, not in rows of 32; the same
+    for one seed or four (the share is taken on `config.seed`'s batches), and a resume keeps
+    the decision its checkpoint recorded (a resume on another mesh could decide otherwise)."""
+    spm = tiny_tokenizer_path(tmp_path_factory, shared_data)
+    config = sentiment_tiny_config(
+        spm, shared_data, max_seq_length=max_seq_length, batch_size=batch_size
+    )
+    assert config.pack_examples is None
+    for num_seeds in (1, 4):
+        config.num_seeds = num_seeds
+        assert _objective(config, tmp_path / f"n{num_seeds}").packing is packs
+    objective = _objective(config, tmp_path / "resumed")
+    saved = {**objective.data_state(4), "packed": not packs}
+    objective.check_resume(saved, 4)  # the same run: the decision is not compared
+    objective.start(4, saved, {"init": None})
+    assert objective.packing is (not packs)
+    assert objective.data_report()["train"]["packed"] is (not packs)

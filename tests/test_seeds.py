@@ -189,7 +189,8 @@ def test_four_seeds_on_pretrained_sentiment_rt(tmp_path_factory, shared_data, tm
           "median", four["median"]["accuracy"], "failed", four["failed_seeds"])  # fmt: skip
     assert list(accuracies) == ["0", "1", "2", "3"]
     assert four["median"]["accuracy"] >= one["accuracy"] - 0.01
-    assert abs(accuracies["0"] - one["accuracy"]) <= 2 / 1109  # seed 0 is the one-seed run
+    # Seed 0 is the one-seed run, packed: within a point (measured: equal to the last digit).
+    assert abs(accuracies["0"] - one["accuracy"]) <= 0.01
     for s in range(4):
         rows = _predictions(tmp_path / "four" / f"seed_{s}" / "predictions.jsonl")
         assert len(rows) == 1109
