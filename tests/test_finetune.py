@@ -211,10 +211,10 @@ def test_local_task_needs_files(tmp_path):
 
 # -------------------------------------------------------------------------- local fine-tuning
 # The sentiment_rt run from the pretrained tiny model (test_seeds runs its four seeds, packed;
-# at max_seq_length 40 the default does not pack). Keep 500
-# steps: measured, 350 gave seed 0 0.629 but a four-seed median of 0.596 (test_seeds'
-# within-a-point check fails), 250 left a seed at the majority class (0.569 for seed 0):
-# fewer steps are still mid-learning, where seeds differ.
+# at max_seq_length 40 the default does not pack). Keep 500 steps: measured, 350 gave seed 0
+# 0.629 but a four-seed median of 0.596 (test_seeds' within-a-point check fails), 250 left a
+# seed at the majority class (0.569 for seed 0): fewer steps are still mid-learning, where
+# seeds differ.
 SENTIMENT_SETTINGS = dict(
     learning_rate=3e-4, num_train_steps=500, warmup_steps=50, eval_batch_size=256,
     max_seq_length=40,

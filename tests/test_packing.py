@@ -1,8 +1,8 @@
 """Several examples per row (tasks/packing.py, `config.pack_examples`): every example placed
 once with its own positions and [CLS], a bounded set of shapes on real features, the same
-logits and gradients as unpacked batches, when auto packs; training that scores as unpacked
-training (test_seeds.py's four seeds, packed) and bit-exact resume (test_length_buckets.py,
-both ways)."""
+logits and gradients as unpacked batches, and when auto packs. Training that scores as
+unpacked training: test_seeds.py's four seeds, packed; bit-exact resume: test_length_buckets.py,
+both ways."""
 
 from __future__ import annotations
 
