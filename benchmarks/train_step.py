@@ -27,6 +27,12 @@ interleaving spreads the drift of a shared machine over all of them, so same-run
 
 `X_over_Y` = the median over rounds of Y's step time / X's step time in the same round.
 
+`--variant NAME='{"scan": false, "remat": "none", "compiler_options": {...}}'` (repeatable)
+adds `ours_NAME`: ours with `model.scan_layers`, `model.remat_policy` and XLA compiler options
+(`jax.jit(...).lower(...).compile(compiler_options=...)`, this program only; e.g.
+`{"xla_cpu_enable_concurrency_optimized_scheduler": false}`) changed, and
+`ours_NAME_over_ours`: an A/B of a change to ours' step, interleaved with the others.
+
 `--dtype=bfloat16` is mixed precision for every contender: float32 parameters and optimizer
 state, bfloat16 matmuls (ours: `model.dtype`; HF Flax: its `dtype`; HF PyTorch: autocast);
 KerasHub is then left out. `--attention` is ours' `model.attention_impl` (`cudnn`: the fused
@@ -145,8 +151,16 @@ def ours_config(args: argparse.Namespace, scan: bool = True) -> Any:
     return config
 
 
-def ours(args: argparse.Namespace, batch: dict[str, Any], scan: bool) -> dict[str, Any]:
+def ours(
+    args: argparse.Namespace,
+    batch: dict[str, Any],
+    scan: bool,
+    remat: str = "",
+    compiler_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     config = ours_config(args, scan)
+    if remat:
+        config.model.remat_policy = remat
     model_config = train.model_config_from(config)
     model = AlbertForPreTraining(model_config)
     mesh = create_mesh((1, 1, 1), jax.devices()[:1])
@@ -162,7 +176,7 @@ def ours(args: argparse.Namespace, batch: dict[str, Any], scan: bool) -> dict[st
         )
         device_batch = jax.device_put(batch, jax.devices()[0])
         start = time.perf_counter()
-        compiled = step_fn.lower(state, device_batch).compile()
+        compiled = step_fn.lower(state, device_batch).compile(compiler_options=compiler_options)
         compile_s = time.perf_counter() - start
         holder = [state]
 
@@ -277,6 +291,26 @@ def hf_torch(args: argparse.Namespace, batch: dict[str, Any]) -> dict[str, Any] 
     return torch_peer.hf_torch(hf_config(args), batch, args.dtype, LEARNING_RATE, WEIGHT_DECAY)
 
 
+VARIANT_FIELDS = ("scan", "remat", "compiler_options")
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """`NAME={"scan": ..., "remat": ..., "compiler_options": {...}}` -> (NAME, the dict)."""
+    name, _, spec = text.partition("=")
+    if not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: NAME must be an identifier")
+    try:
+        fields = json.loads(spec)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"--variant {name}: not JSON ({error})") from None
+    unknown = sorted(set(fields) - set(VARIANT_FIELDS)) if isinstance(fields, dict) else [spec]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"--variant {name}: unknown {unknown}; a JSON object of {list(VARIANT_FIELDS)}"
+        )
+    return name, fields
+
+
 def profile_ours(step: Callable[[], None], directory: str, steps: int) -> dict[str, Any]:
     """`steps` steps of ours under `jax.profiler.trace(directory)`: their op totals per step.
 
@@ -311,6 +345,10 @@ def main() -> None:
     parser.add_argument("--attention", default="xla", help="ours' model.attention_impl")
     parser.add_argument("--profile", default="", help="trace steps of ours to this directory")
     parser.add_argument("--profile_steps", type=int, default=3)
+    parser.add_argument(
+        "--variant", type=parse_variant, action="append", default=[],
+        help='ours_NAME: NAME={"scan": bool, "remat": str, "compiler_options": {...}}',
+    )  # fmt: skip
     args = parser.parse_args()
 
     model_config = ModelConfig.preset(args.size)
@@ -327,6 +365,14 @@ def main() -> None:
     runs = {"ours": ours(args, batch, scan=True)}
     if not args.no_unrolled:
         runs["ours_unrolled"] = ours(args, batch, scan=False)
+    for name, fields in args.variant:
+        runs[f"ours_{name}"] = ours(
+            args,
+            batch,
+            scan=fields.get("scan", True),
+            remat=fields.get("remat", ""),
+            compiler_options=fields.get("compiler_options"),
+        )
     if not args.no_hf:
         for name, fn in (("hf_flax", hf_flax), ("hf_torch", hf_torch)):
             run = fn(args, batch)
@@ -387,6 +433,9 @@ def main() -> None:
                 # Paired by round: a slow round (a neighbour's burst) slows both alike.
                 paired = [p / o for p, o in zip(times[peer], times[name], strict=True)]
                 result[f"{name}_over_{peer}"] = round(statistics.median(paired), 3)
+    for name, _ in args.variant:
+        paired = [o / v for o, v in zip(times["ours"], times[f"ours_{name}"], strict=True)]
+        result[f"ours_{name}_over_ours"] = round(statistics.median(paired), 3)
     if profile is not None:
         result["ours_profile"] = profile
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
