@@ -350,6 +350,9 @@ def main() -> None:
         help='ours_NAME: NAME={"scan": bool, "remat": str, "compiler_options": {...}}',
     )  # fmt: skip
     args = parser.parse_args()
+    names = [name for name, _ in args.variant]
+    if len(set(names)) < len(names) or "unrolled" in names:  # ours_NAME must be a new contender
+        parser.error(f"--variant names must be unique and not 'unrolled': {names}")
 
     model_config = ModelConfig.preset(args.size)
     batch = make_batch(args.batch, args.seq, args.preds, model_config.vocab_size)
