@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -102,11 +103,19 @@ class CheckpointError(RuntimeError):
     """A checkpoint that could not be written or read; names the step and its directory."""
 
 
+# Debugging payloads TensorStore appends to an error (`[tensorstore_spec='{...}']`: the whole
+# JSON spec of the array; `[source locations='...']`): they can push the OS's reason, which
+# comes just before them, out of a one-line summary.
+_TENSORSTORE_PAYLOADS = re.compile(r"\s*\[(?:tensorstore_spec|source locations)='.*?'\]", re.S)
+
+
 def describe_error(error: BaseException, limit: int = 400) -> str:
     """`"Type: first line of the message"` in at most `limit` characters: the reason of a failed
-    save or restore in one line (Orbax / TensorStore messages run to many lines). A longer line
-    keeps its start and its end, where TensorStore puts the OS's reason ("File too large")."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    save or restore in one line (Orbax / TensorStore messages run to many lines). TensorStore's
+    debugging payloads are dropped, and a longer line keeps its start and its end, where
+    TensorStore puts the OS's reason ("File too large [os_error_code='27']")."""
+    message = _TENSORSTORE_PAYLOADS.sub("", str(error))
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
     text = f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
     if len(text) <= limit:
         return text

@@ -269,3 +269,38 @@ def test_saving_replicated_arrays_compiles_nothing(tmp_path, caplog):
         restored = ckpt.restore_numpy(1)
     for name, value in params.items():
         np.testing.assert_array_equal(restored[name], np.asarray(value))
+
+
+# A real TensorStore write refused by the OS: the process may not grow any file past 1 byte
+# (SIGXFSZ ignored, so the write fails with EFBIG), as a full disk refuses with ENOSPC. Opening
+# a zarr array on OCDBT fails at its first write, with TensorStore's JSON spec of the array
+# appended to the message after the OS's reason.
+_REFUSED_WRITE = """
+import resource, signal, sys
+import tensorstore as ts
+from albert_jax.checkpointing import describe_error
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1, 1))
+metadata = {"shape": [2], "chunks": [2], "dtype": "<f4", "compressor": {"id": "zstd", "level": 1}}
+kvstore = {"driver": "ocdbt", "base": "file://" + sys.argv[1]}
+try:
+    ts.open({"driver": "zarr", "kvstore": kvstore, "metadata": metadata, "create": True}).result()
+except Exception as error:  # stdout is a pipe, which the file-size limit does not cover
+    print(repr(str(error)))
+    print(describe_error(error))
+"""
+
+
+def test_a_refused_write_is_summed_up_with_the_os_reason(tmp_path):
+    # A deep directory (as a pytest tmp_path under a checkpoint's step dir is), so the summary
+    # is cut to its start and end.
+    directory = tmp_path / ("deep_directory_" * 8) / "checkpoints" / "12" / "opt_state"
+    proc = subprocess.run(
+        [sys.executable, "-c", _REFUSED_WRITE, str(directory)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    full, summary = proc.stdout.strip().splitlines()[-2:]
+    assert "File too large" in full and "tensorstore_spec=" in full  # the payload follows
+    assert len(summary) <= 400 and " ... " in summary, summary
+    assert summary.startswith('ValueError: OUT_OF_RANGE: Error opening "zarr" driver')
+    assert summary.endswith("File too large [os_error_code='27']"), summary

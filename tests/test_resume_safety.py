@@ -142,7 +142,7 @@ def test_failed_save_stops_the_run_naming_step_and_path(corpus, trained, tmp_pat
         error = f.read()
     assert error.startswith("albert_jax.checkpointing.CheckpointError: saving the checkpoint of ")
     assert f"step 12 to {_step_dir(workdir, 12)} failed (ValueError: " in error
-    assert "File too large" in error  # the OS's reason, in the same message
+    assert "File too large" in error, error  # the OS's reason, in the same message
     assert "Checkpoints intact: [4, 8]" in error
     # Stopped at the first step boundary after the background write failed (a few 15 ms steps
     # here), never at a later save.
