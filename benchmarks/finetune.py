@@ -77,7 +77,7 @@ from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, create_mesh,
 from albert_jax.tasks.batching import train_batch, trim_to_bucket  # noqa: E402
 from albert_jax.train_config import mesh_layout  # noqa: E402
 from albert_jax.train_state import create_state, make_step  # noqa: E402
-from benchmarks.train_step import time_interleaved  # noqa: E402
+from benchmarks.train_step import paired_ratio, time_interleaved  # noqa: E402
 from configs import finetune as finetune_configs  # noqa: E402
 from configs import pretrain  # noqa: E402
 
@@ -261,11 +261,6 @@ def in_turn(run: Callable[[int], Any], steps: list[int]) -> Callable[[], Any]:
     round r of every contender is the same batch."""
     order = iter(steps)
     return lambda: run(next(order))
-
-
-def paired_ratio(peer: list[float], ours: list[float]) -> float:
-    """Median over rounds of peer time / our time (= our examples/s over the peer's)."""
-    return statistics.median(p / o for p, o in zip(peer, ours, strict=True))
 
 
 def measure_length(

@@ -48,7 +48,7 @@ import numpy as np  # noqa: E402
 from albert_jax import flops, train  # noqa: E402
 from albert_jax.model import AlbertForPreTraining  # noqa: E402
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh  # noqa: E402
-from benchmarks.train_step import make_batch  # noqa: E402
+from benchmarks.train_step import make_batch, paired_ratio  # noqa: E402
 from configs import pretrain  # noqa: E402
 
 REFERENCE = "bert-large"
@@ -221,7 +221,7 @@ def main() -> None:
     rows = []
     for name, run in runs.items():
         median = statistics.median(times[name])
-        paired = statistics.median(r / t for r, t in zip(reference, times[name], strict=True))
+        paired = paired_ratio(reference, times[name])
         rows.append(
             dict(
                 model=name,

@@ -132,6 +132,12 @@ def time_interleaved(
     return times
 
 
+def paired_ratio(theirs: list[float], ours: list[float]) -> float:
+    """The median over rounds of their step time / ours in the same round: ours' throughput
+    over theirs, paired by round so that a slow round (a neighbour's burst) slows both alike."""
+    return statistics.median(t / o for t, o in zip(theirs, ours, strict=True))
+
+
 def ours_config(args: argparse.Namespace, scan: bool = True) -> Any:
     """The pretraining config ours runs: `size`'s, at the benchmark's shapes, AdamW."""
     config = pretrain.get_config(f"size={args.size}")
@@ -433,12 +439,10 @@ def main() -> None:
     for name in ("ours", "ours_unrolled"):
         for peer in ("hf_flax", "hf_torch", "kerashub"):
             if name in runs and peer in runs:
-                # Paired by round: a slow round (a neighbour's burst) slows both alike.
-                paired = [p / o for p, o in zip(times[peer], times[name], strict=True)]
-                result[f"{name}_over_{peer}"] = round(statistics.median(paired), 3)
+                result[f"{name}_over_{peer}"] = round(paired_ratio(times[peer], times[name]), 3)
     for name, _ in args.variant:
-        paired = [o / v for o, v in zip(times["ours"], times[f"ours_{name}"], strict=True)]
-        result[f"ours_{name}_over_ours"] = round(statistics.median(paired), 3)
+        variant = f"ours_{name}"
+        result[f"{variant}_over_ours"] = round(paired_ratio(times["ours"], times[variant]), 3)
     if profile is not None:
         result["ours_profile"] = profile
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
