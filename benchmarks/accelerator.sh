@@ -102,7 +102,8 @@ part_speedup() {  # six models to compile (117-148 s on an H200): twice the limi
 }
 
 part_seeds() {  # base's step first (the figure); then tiny end to end: 5 complete runs, each
-  # compiling its own step shapes (14 s each on an H200), so twice the limit and more
+  # compiling its own step shapes (14 s each on an H200), so three times the limit (262 s
+  # were not enough there)
   run seeds_base benchmarks/finetune_seeds.py --size=base --step_only "--task_dir=$TASK_DIR"
   RUN_LIMIT=$((3 * LIMIT)) run seeds_tiny benchmarks/finetune_seeds.py --size=tiny --steps=100 \
     "--task_dir=$TASK_DIR"
