@@ -145,7 +145,7 @@ class Dense(nn.Module):
         # dW = x^T . dy contracts the row dim of two 2-D arrays as they lie in memory. With
         # [B, S] contracted directly, XLA on CPU copied the output gradient into a transposed
         # [features, B·S] buffer before each dW (seen in the compiled HLO), and the base train
-        # step was 6-11% slower. (The fused Q/K/V einsum in SelfAttention showed no such gain.)
+        # step was 6-11% slower. (SelfAttention's fused Q/K/V projection does the same.)
         y = x.astype(kernel.dtype).reshape(-1, k) @ kernel.reshape(k, n)
         y = y.reshape(*lead, *self.out_shape)
         return y if bias is None else add_bias(y, bias)
@@ -330,16 +330,26 @@ class SelfAttention(nn.Module):
             )
             for name in ("query", "key", "value")
         ]
-        # Stacked on a new axis (not concatenated along heads) so that a tensor-parallel heads
-        # sharding carries over unchanged.
-        kernel = jnp.stack([w for w, _ in weights], axis=1)  # [H, 3, N, D]
+        # Stacked next to the heads axis (not concatenated along it), so that a tensor-parallel
+        # heads sharding carries over unchanged, heads being the major dim of [N, 3, D].
+        kernel = jnp.stack([w for w, _ in weights], axis=2)  # [H, N, 3, D]
         bias = jnp.stack([b for _, b in weights], axis=0)[:, None, :, None, :]  # [3, 1, N, 1, D]
 
-        # Heads before positions ([B, N, S, D]): both attention matmuls are then plain batched
-        # GEMMs over (B, N) without transposes (2x faster on CPU than [B, S, N, D]).
         def project(h: Array, which: slice) -> list[Array]:
-            """h [B,T,H] -> the [B,N,T,D] projections `which` of (query, key, value)."""
-            out = jnp.einsum("bsh,hcnd->cbnsd", h.astype(cfg.compute_dtype), kernel[:, which])
+            """h [B,T,H] -> the [B,N,T,D] projections `which` of (query, key, value).
+
+            One [B·T, H] . [H, N·C·D] matmul (C: how many of the three), as `Dense` does, so
+            that the weight gradient x^T . dy comes out in the kernel's own layout. As one
+            einsum straight to [C, B, N, T, D], XLA on CPU computed each layer's weight
+            gradient transposed and copied it back inside every consumer (the sum over the
+            shared layers, the clip norm, Adam's moments): 9% of a base fine-tuning step.
+            Heads then go before positions ([B, N, T, D]): both attention matmuls are plain
+            batched GEMMs over (B, N) without transposes (2x faster on CPU than [B, T, N, D]).
+            """
+            w = kernel[:, :, which]
+            n_out = w.shape[2]
+            out = h.astype(cfg.compute_dtype).reshape(-1, H) @ w.reshape(H, N * n_out * D)
+            out = out.reshape(*h.shape[:2], N, n_out, D).transpose(3, 0, 2, 1, 4)
             return list(add_bias(out, bias[which]))
 
         if query_positions is None:
