@@ -51,11 +51,11 @@ MIN_ROW_LENGTH = 128
 # that follows the row length keeps `cls_positions` small and the shapes tied to the bucket.
 TOKENS_PER_SLOT = 16
 # Row counts from one power of two (in units of the granularity) to the next: each new count is
-# a compilation (measured for the fine-tuning step: 7-9 s on this 2-core CPU, 14 s tiny and
-# 21-27 s base on an H200, where 100 base updates take 1.3 s), each row above the needed
-# ones is padding. 8 keeps the padding under 1/8 of the rows and counts below
-# 16 units exact; sentiment_rt at max_seq_length 40 (1 example a row, 24..32 rows) compiled
-# 9 shapes row by row, 5 on this ladder.
+# a compilation (measured for the fine-tuning step: 7-9 s on a 2-core AMD EPYC, 4-5 s for
+# base on 2 vCPUs of an AVX-512 Xeon; 14 s tiny and 21-27 s base on an H200, where 100 base
+# updates take 1.3 s), each row above the needed ones is padding. 8 keeps the padding under
+# 1/8 of the rows and counts below 16 units exact; sentiment_rt at max_seq_length 40 (1
+# example a row, 24..32 rows) compiled 9 shapes row by row, 5 on this ladder.
 ROW_COUNTS_PER_OCTAVE = 8
 # `config.pack_examples=None` (auto) packs when packed rows hold at most this share of the tokens
 # the same batches take unpacked (`packed_share`). Packing has costs of its own: several row
