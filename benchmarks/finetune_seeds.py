@@ -13,7 +13,10 @@ prints one JSON line. The same config (configs/finetune.py:task=sentiment_rt fro
 
 `--tokenizer` gives a sentencepiece model; by default one is trained on the training sentences.
 `--task_dir` holds sentiment_rt's `train.jsonl.gz` and `dev.jsonl.gz` (default: ../shared's),
-`--step_only` skips the complete runs (on a machine lent for minutes, the step is the figure).
+`--step_only` skips the complete runs (on a machine lent for minutes, the step is the figure),
+`--end_to_end_only` the step timing (whose two programs compile every shape once more). Each
+complete run's seconds also go to stderr as it ends, so a run cut off by a time limit still says
+how long the finished ones took. `--isolate` runs each complete run in its own process.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import gzip
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -90,19 +94,61 @@ class Program:
         jax.block_until_ready(metrics["loss"])
 
 
-def end_to_end(args: argparse.Namespace, tokenizer: str, workdir: str) -> dict[str, Any]:
-    """Wall seconds of one N-seed run and of N one-seed runs (`finetune_and_evaluate` each)."""
+def step_times(args: argparse.Namespace, tokenizer: str, workdir: str) -> dict[str, Any]:
+    """Median update-step seconds of the one-seed and the N-seed program, interleaved."""
     n = args.num_seeds
-    start = time.perf_counter()
-    finetune.finetune_and_evaluate(make_config(args, tokenizer, n), workdir + "/run_many")
-    many_run = time.perf_counter() - start
-    start = time.perf_counter()
-    for i in range(n):
-        finetune.finetune_and_evaluate(
-            make_config(args, tokenizer, 1, seed=i), workdir + f"/run_one_{i}"
-        )
-    sequential = time.perf_counter() - start
+    mesh = create_mesh(*mesh_layout(make_config(args, tokenizer, 1)))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
+        one = Program(make_config(args, tokenizer, 1), workdir + "/one", mesh)
+        many = Program(make_config(args, tokenizer, n), workdir + "/many", mesh)
+        # Untimed first: every step the rounds time, so each shape they use is compiled
+        # (packed rows vary in number from step to step) and the timed steps only run.
+        for s in range(1, 4 + args.rounds):
+            one.step(s)
+            many.step(s)
+        times: dict[str, list[float]] = {"one": [], "many": []}
+        for s in range(4, 4 + args.rounds):
+            for name, program in (("one", one), ("many", many)):
+                start = time.perf_counter()
+                program.step(s)
+                times[name].append(time.perf_counter() - start)
+    one_s, many_s = (statistics.median(times[k]) for k in ("one", "many"))
     return {
+        "one_seed_step_s": round(one_s, 4),
+        "seeds_step_s": round(many_s, 4),
+        f"seeds{n}_step_over_sequential": round(n * one_s / many_s, 3),
+    }
+
+
+def complete_run(
+    args: argparse.Namespace, tokenizer: str, workdir: str, n: int, seed: int
+) -> float:
+    """Wall seconds of one complete run (`finetune_and_evaluate`) of N seeds from `seed`: in this
+    process, or with `--isolate` in a fresh one, as separate jobs run: each pays Python, JAX and
+    device start-up and compiles with the process's caches empty (on an H100 the first of four
+    one-seed runs in one process took 93 s, the other three 49-70 s)."""
+    start = time.perf_counter()
+    if args.isolate:
+        argv = [f"--{k}={getattr(args, k)}" for k in ("size", "steps", "eval_examples", "task_dir")]
+        subprocess.run([sys.executable, os.path.abspath(__file__), *argv,
+                        f"--tokenizer={tokenizer}", f"--complete_run={n},{seed},{workdir}"],
+                       check=True)  # fmt: skip
+    else:
+        finetune.finetune_and_evaluate(make_config(args, tokenizer, n, seed), workdir)
+    return time.perf_counter() - start
+
+
+def end_to_end(args: argparse.Namespace, tokenizer: str, workdir: str) -> dict[str, Any]:
+    """Wall seconds of one N-seed run and of N one-seed runs."""
+    n = args.num_seeds
+    many_run = complete_run(args, tokenizer, workdir + "/run_many", n, 0)
+    print(f"{n}-seed run: {many_run:.1f} s", file=sys.stderr, flush=True)
+    sequential = 0.0
+    for i in range(n):
+        sequential += complete_run(args, tokenizer, workdir + f"/run_one_{i}", 1, i)
+        print(f"one-seed run {i}: {sequential:.1f} s so far", file=sys.stderr, flush=True)
+    return {
+        "isolated": args.isolate,
         "seeds_run_s": round(many_run, 1),
         "sequential_runs_s": round(sequential, 1),
         f"seeds{n}_over_sequential": round(sequential / many_run, 3),
@@ -120,8 +166,17 @@ def main() -> None:
     parser.add_argument("--tokenizer", default="", help="sentencepiece model (default: train)")
     parser.add_argument("--task_dir", default=TASK_DIR, help="sentiment_rt's jsonl.gz files")
     parser.add_argument("--step_only", action="store_true", help="skip the complete runs")
+    parser.add_argument("--end_to_end_only", action="store_true", help="skip the step timing")
+    parser.add_argument("--isolate", action="store_true", help="each complete run in a process")
+    parser.add_argument("--complete_run", default="", help=argparse.SUPPRESS)  # N,SEED,WORKDIR
     args = parser.parse_args()
     logging.set_verbosity(logging.WARNING)
+    if args.complete_run:  # one of --isolate's processes
+        n, seed, workdir = args.complete_run.split(",", 2)
+        finetune.finetune_and_evaluate(
+            make_config(args, args.tokenizer, int(n), int(seed)), workdir
+        )
+        return
     n = args.num_seeds
     result: dict[str, Any] = {"benchmark": "finetune_seeds", "size": args.size, "num_seeds": n,
                               "steps": args.steps, "backend": jax.default_backend(),
@@ -134,24 +189,8 @@ def main() -> None:
             with gzip.open(os.path.join(args.task_dir, "train.jsonl.gz"), "rt") as f:
                 texts = [json.loads(line)["sentence"] for line in f if line.strip()]
             tokenizer = train_tokenizer(texts, workdir + "/spm", 8000, hard_vocab_limit=False)
-        mesh = create_mesh(*mesh_layout(make_config(args, tokenizer, 1)))
-        with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
-            one = Program(make_config(args, tokenizer, 1), workdir + "/one", mesh)
-            many = Program(make_config(args, tokenizer, n), workdir + "/many", mesh)
-            # Untimed first: every step the rounds time, so each shape they use is compiled
-            # (packed rows vary in number from step to step) and the timed steps only run.
-            for s in range(1, 4 + args.rounds):
-                one.step(s)
-                many.step(s)
-            times: dict[str, list[float]] = {"one": [], "many": []}
-            for s in range(4, 4 + args.rounds):
-                for name, program in (("one", one), ("many", many)):
-                    start = time.perf_counter()
-                    program.step(s)
-                    times[name].append(time.perf_counter() - start)
-        one_s, many_s = (statistics.median(times[k]) for k in ("one", "many"))
-        result.update(one_seed_step_s=round(one_s, 4), seeds_step_s=round(many_s, 4))
-        result[f"seeds{n}_step_over_sequential"] = round(n * one_s / many_s, 3)
+        if not args.end_to_end_only:
+            result.update(step_times(args, tokenizer, workdir))
         if not args.step_only:
             result.update(end_to_end(args, tokenizer, workdir))
     print(json.dumps(result) if args.json else json.dumps(result, indent=2), flush=True)
