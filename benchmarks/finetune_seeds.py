@@ -16,7 +16,8 @@ prints one JSON line. The same config (configs/finetune.py:task=sentiment_rt fro
 `--step_only` skips the complete runs (on a machine lent for minutes, the step is the figure),
 `--end_to_end_only` the step timing (whose two programs compile every shape once more). Each
 complete run's seconds also go to stderr as it ends, so a run cut off by a time limit still says
-how long the finished ones took. `--isolate` runs each complete run in its own process.
+how long the finished ones took. `--isolate` runs each complete run in its own process,
+`--runs=many,0,1` only those (the N-seed run, one-seed runs 0 and 1).
 """
 
 from __future__ import annotations
@@ -139,20 +140,25 @@ def complete_run(
 
 
 def end_to_end(args: argparse.Namespace, tokenizer: str, workdir: str) -> dict[str, Any]:
-    """Wall seconds of one N-seed run and of N one-seed runs."""
+    """Wall seconds of one N-seed run ("many") and of N one-seed runs (seeds 0..N-1), or of the
+    ones `--runs` names (the ratio then left out: a machine lent for one command of minutes
+    can take the runs in two commands, added up by hand)."""
     n = args.num_seeds
-    many_run = complete_run(args, tokenizer, workdir + "/run_many", n, 0)
-    print(f"{n}-seed run: {many_run:.1f} s", file=sys.stderr, flush=True)
-    sequential = 0.0
-    for i in range(n):
-        sequential += complete_run(args, tokenizer, workdir + f"/run_one_{i}", 1, i)
-        print(f"one-seed run {i}: {sequential:.1f} s so far", file=sys.stderr, flush=True)
-    return {
-        "isolated": args.isolate,
-        "seeds_run_s": round(many_run, 1),
-        "sequential_runs_s": round(sequential, 1),
-        f"seeds{n}_over_sequential": round(sequential / many_run, 3),
-    }
+    names = args.runs.split(",") if args.runs else ["many", *map(str, range(n))]
+    seconds: dict[str, float] = {}
+    for name in names:
+        if name == "many":
+            run = complete_run(args, tokenizer, workdir + "/run_many", n, 0)
+        else:
+            run = complete_run(args, tokenizer, workdir + f"/run_one_{name}", 1, int(name))
+        seconds[name] = round(run, 1)
+        print(f"run {name}: {run:.1f} s", file=sys.stderr, flush=True)
+    result: dict[str, Any] = {"isolated": args.isolate, "runs_s": seconds}
+    if set(names) == {"many", *map(str, range(n))}:
+        sequential = sum(seconds[str(i)] for i in range(n))
+        result.update(seeds_run_s=seconds["many"], sequential_runs_s=round(sequential, 1))
+        result[f"seeds{n}_over_sequential"] = round(sequential / seconds["many"], 3)
+    return result
 
 
 def main() -> None:
@@ -168,8 +174,12 @@ def main() -> None:
     parser.add_argument("--step_only", action="store_true", help="skip the complete runs")
     parser.add_argument("--end_to_end_only", action="store_true", help="skip the step timing")
     parser.add_argument("--isolate", action="store_true", help="each complete run in a process")
+    parser.add_argument("--runs", default="", help="complete runs, e.g. many,0,1 (default all)")
     parser.add_argument("--complete_run", default="", help=argparse.SUPPRESS)  # N,SEED,WORKDIR
     args = parser.parse_args()
+    every_run = ["many", *map(str, range(args.num_seeds))]
+    if args.runs and not set(args.runs.split(",")) <= set(every_run):
+        parser.error(f"--runs={args.runs}: names from {','.join(every_run)}")
     logging.set_verbosity(logging.WARNING)
     if args.complete_run:  # one of --isolate's processes
         n, seed, workdir = args.complete_run.split(",", 2)
