@@ -177,6 +177,8 @@ def main() -> None:
     parser.add_argument("--runs", default="", help="complete runs, e.g. many,0,1 (default all)")
     parser.add_argument("--complete_run", default="", help=argparse.SUPPRESS)  # N,SEED,WORKDIR
     args = parser.parse_args()
+    if args.step_only and (args.end_to_end_only or args.isolate or args.runs):
+        parser.error("--step_only times no complete run: drop --end_to_end_only/--isolate/--runs")
     every_run = ["many", *map(str, range(args.num_seeds))]
     if args.runs and not set(args.runs.split(",")) <= set(every_run):
         parser.error(f"--runs={args.runs}: names from {','.join(every_run)}")
