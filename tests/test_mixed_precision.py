@@ -4,14 +4,16 @@ read off the traced training computation, and a tiny pretraining run against the
 from __future__ import annotations
 
 import collections
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from test_model import init, make_batch, tiny
 from test_train import make_config, small_overrides
 
-from albert_jax import losses, train
+from albert_jax import layers, losses, train
 from albert_jax.model import AlbertForPreTraining
 
 # Float32 in bf16 runs: exponentials and logs (softmax, log-softmax), their max-subtraction,
@@ -72,3 +74,41 @@ def test_bf16_tiny_run_reaches_the_fp32_eval_accuracy(corpus, tmp_path):
     print("eval MLM accuracy: fp32", fp32, "bf16", bf16)
     assert abs(bf16 - fp32) <= 0.01, (fp32, bf16)
     assert np.isfinite(results["bfloat16"]["eval_mlm_loss"])
+
+
+def _upcasts(fn, *args) -> list[str]:
+    """Lines of fn's optimized CPU HLO that convert an array to float32: on XLA:CPU, the
+    operands of a bf16 dot that runs in fp32."""
+    hlo = jax.jit(fn).lower(*args).compile().as_text()
+    return re.findall(r"= f32\[[\d,]*\]\S* convert\(.*", hlo)
+
+
+def test_bf16_matmul_gradients_match_fp32_and_run_in_bf16_on_cpu():
+    """`layers.matmul` in bf16: y, dx and dW within bf16 rounding of the fp32 matmul's, and on
+    a CPU whose XLA has bf16 matmuls (a plain bf16 x . w with f32 accumulation compiles with
+    no upcast) none of the three is upcast to fp32."""
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (256, 96), jnp.bfloat16)
+    w = jax.random.normal(kw, (96, 160), jnp.bfloat16)
+    g = jax.random.normal(kg, (256, 160), jnp.bfloat16)
+
+    def forward_backward(x, w, g):  # -> y [256, 160], dx [256, 96], dW [96, 160], all bf16
+        y, vjp = jax.vjp(layers.matmul, x, w)
+        return (y, *vjp(g))
+
+    got = jax.jit(forward_backward)(x, w, g)
+    f32 = [a.astype(jnp.float32) for a in (x, w, g)]
+    y, vjp = jax.vjp(jnp.matmul, *f32[:2])
+    for name, ours, ref in zip(("y", "dx", "dW"), got, (y, *vjp(f32[2])), strict=True):
+        assert ours.dtype == jnp.bfloat16, name
+        scale = float(jnp.max(jnp.abs(ref)))
+        np.testing.assert_allclose(ours.astype(jnp.float32), ref, atol=0.01 * scale, err_msg=name)
+
+    if jax.default_backend() != "cpu":
+        return
+    plain = lambda x, w: jax.lax.dot(x, w, preferred_element_type=jnp.float32)  # noqa: E731
+    if _upcasts(plain, x, w):
+        pytest.skip("this CPU's XLA runs every bf16 matmul in fp32")
+    # Autodiff's own backward upcasts the weight gradient (x^T . dy); ours does not.
+    assert _upcasts(lambda x, w, g: jax.vjp(jnp.matmul, x, w)[1](g), x, w, g)
+    assert not _upcasts(forward_backward, x, w, g)
