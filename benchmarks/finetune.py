@@ -35,7 +35,10 @@ rounds (round r = step warmup + r for all). `ours_over_hf_<L>` is the median ove
 (HF's step time / ours), i.e. an examples/s ratio paired within a round, which cancels the
 drift of a shared machine; `*_step_s_<L>` are medians. `--same_length` adds `hf_same_length`:
 HF on the same rows padded to the length bucket, whose ratio against `ours_buckets`
-(`ours_buckets_over_hf_same_length_<L>`) is the per-token speed alone.
+(`ours_buckets_over_hf_same_length_<L>`) is the per-token speed alone. Mixed precision:
+`--override=model.dtype=bfloat16` runs ours in bf16 (fp32 parameters and optimizer), and
+`--hf_bf16` adds HF as Trainer's `bf16=True` runs it on a CPU (the forward pass under
+`torch.autocast("cpu", torch.bfloat16)`), `ours_over_hf_bf16_<L>` the ratio against it.
 
 Keys per length L: `ours_over_hf_L` (against the faster torch thread count, round by round),
 `ours_over_hf_default_threads_L` (against torch at its default thread count),
@@ -51,6 +54,7 @@ N seeds in one program against N runs (`seeds4_over_sequential`): benchmarks/fin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -191,7 +195,15 @@ class HFTorch:
     (`DataCollatorWithPadding`), AdamW without decay on biases / LayerNorm, clip 1.0, linear
     warmup / decay; `threads` torch threads during its steps."""
 
-    def __init__(self, config: Any, model_config: Any, tokenizer: str, labels: int, threads: int):
+    def __init__(
+        self,
+        config: Any,
+        model_config: Any,
+        tokenizer: str,
+        labels: int,
+        threads: int,
+        bf16: bool = False,
+    ):
         import torch
         import transformers
 
@@ -221,6 +233,13 @@ class HFTorch:
             transformers.AlbertTokenizer(vocab_file=tokenizer), return_tensors="pt"
         )
         self.torch, self.threads = torch, threads
+        # Trainer's `bf16=True` on a CPU: the forward pass under autocast (bf16 matmuls,
+        # fp32 parameters and optimizer), the backward pass outside it.
+        self.autocast = (
+            (lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+            if bf16
+            else contextlib.nullcontext
+        )
 
     def step(self, rows: list[dict[str, Any]], pad_to: int | None = None) -> float:
         """One update on `rows` padded to their longest (or to `pad_to`)."""
@@ -233,7 +252,8 @@ class HFTorch:
                 batch = self.collator(rows)
             finally:
                 self.collator.padding, self.collator.max_length = True, None
-        loss = self.model(**batch).loss
+        with self.autocast():
+            loss = self.model(**batch).loss
         loss.backward()
         self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.opt.step()
@@ -295,6 +315,12 @@ def measure_length(
                 objective.spec.num_labels, threads,
             )  # fmt: skip
             contenders[f"hf_{threads}t"] = lambda s, hf=hf: hf.step(rows[s])
+            if args.hf_bf16:
+                hf_bf16 = HFTorch(
+                    objective.config, objective.model_config, tokenizer,
+                    objective.spec.num_labels, threads, bf16=True,
+                )  # fmt: skip
+                contenders[f"hf_bf16_{threads}t"] = lambda s, hf=hf_bf16: hf.step(rows[s])
             if args.same_length:
                 contenders[f"hf_same_length_{threads}t"] = lambda s, hf=hf: hf.step(
                     rows[s], pad_to=bucket[s]
@@ -307,6 +333,8 @@ def measure_length(
         return [min(r) for r in zip(*runs, strict=True)]
 
     times["hf"] = fastest("hf")
+    if args.hf_bf16:
+        times["hf_bf16"] = fastest("hf_bf16")
     if args.same_length:
         times["hf_same_length"] = fastest("hf_same_length")
     result: dict[str, Any] = {
@@ -332,6 +360,10 @@ def measure_length(
                 args.batch / statistics.median(seconds), 2
             )
     result[f"ours_over_hf_{length}"] = round(paired_ratio(times["hf"], times["ours"]), 3)
+    if args.hf_bf16:
+        result[f"ours_over_hf_bf16_{length}"] = round(
+            paired_ratio(times["hf_bf16"], times["ours"]), 3
+        )
     default = f"hf_{args.torch_default_threads}t"
     if default in times:
         result[f"ours_over_hf_default_threads_{length}"] = round(
@@ -360,6 +392,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--buckets", action="store_true", help="add ours on length buckets (no packing)"
+    )
+    parser.add_argument(
+        "--hf_bf16", action="store_true", help="add HF under torch.autocast(bfloat16)"
     )
     parser.add_argument("--override", default="", help="k=v,... on our config (e.g. dtype)")
     parser.add_argument("--data", default=DATA, help="the shared data directory")
