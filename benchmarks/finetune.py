@@ -54,7 +54,6 @@ N seeds in one program against N runs (`seeds4_over_sequential`): benchmarks/fin
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gzip
 import json
 import os
@@ -232,14 +231,7 @@ class HFTorch:
         self.collator = transformers.DataCollatorWithPadding(
             transformers.AlbertTokenizer(vocab_file=tokenizer), return_tensors="pt"
         )
-        self.torch, self.threads = torch, threads
-        # Trainer's `bf16=True` on a CPU: the forward pass under autocast (bf16 matmuls,
-        # fp32 parameters and optimizer), the backward pass outside it.
-        self.autocast = (
-            (lambda: torch.autocast("cpu", dtype=torch.bfloat16))
-            if bf16
-            else contextlib.nullcontext
-        )
+        self.torch, self.threads, self.bf16 = torch, threads, bf16
 
     def step(self, rows: list[dict[str, Any]], pad_to: int | None = None) -> float:
         """One update on `rows` padded to their longest (or to `pad_to`)."""
@@ -252,7 +244,9 @@ class HFTorch:
                 batch = self.collator(rows)
             finally:
                 self.collator.padding, self.collator.max_length = True, None
-        with self.autocast():
+        # Trainer's `bf16=True` on a CPU: the forward pass under autocast (bf16 matmuls,
+        # fp32 parameters and optimizer), the backward pass outside it.
+        with self.torch.autocast("cpu", dtype=self.torch.bfloat16, enabled=self.bf16):
             loss = self.model(**batch).loss
         loss.backward()
         self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
