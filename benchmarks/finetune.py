@@ -54,6 +54,7 @@ N seeds in one program against N runs (`seeds4_over_sequential`): benchmarks/fin
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import os
@@ -303,17 +304,15 @@ def measure_length(
         rows = {s: unpadded_rows(b) for s, b in batches.items()}
         bucket = {s: trim_to_bucket(b, ("input_mask",))[1] for s, b in batches.items()}
         ours_tokens = {s: ours.batch(s)["input_ids"].size / args.batch for s in steps}
+        hf_model = functools.partial(
+            HFTorch, objective.config, objective.model_config, tokenizer,
+            objective.spec.num_labels,
+        )  # fmt: skip
         for threads in args.hf_threads:
-            hf = HFTorch(
-                objective.config, objective.model_config, tokenizer,
-                objective.spec.num_labels, threads,
-            )  # fmt: skip
+            hf = hf_model(threads)
             contenders[f"hf_{threads}t"] = lambda s, hf=hf: hf.step(rows[s])
             if args.hf_bf16:
-                hf_bf16 = HFTorch(
-                    objective.config, objective.model_config, tokenizer,
-                    objective.spec.num_labels, threads, bf16=True,
-                )  # fmt: skip
+                hf_bf16 = hf_model(threads, bf16=True)
                 contenders[f"hf_bf16_{threads}t"] = lambda s, hf=hf_bf16: hf.step(rows[s])
             if args.same_length:
                 contenders[f"hf_same_length_{threads}t"] = lambda s, hf=hf: hf.step(
