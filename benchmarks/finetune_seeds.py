@@ -17,7 +17,9 @@ prints one JSON line. The same config (configs/finetune.py:task=sentiment_rt fro
 `--end_to_end_only` the step timing (whose two programs compile every shape once more). Each
 complete run's seconds also go to stderr as it ends, so a run cut off by a time limit still says
 how long the finished ones took. `--isolate` runs each complete run in its own process,
-`--runs=many,0,1` only those (the N-seed run, one-seed runs 0 and 1).
+`--runs=many,0,1` only those (the N-seed run, one-seed runs 0 and 1). On a machine lent for
+commands of minutes the isolated runs take two: the second names the first's `runs_s` with
+`--earlier_runs_s='{"many": 177.4, "0": 131.6}'` and runs only the others, for the ratio.
 """
 
 from __future__ import annotations
@@ -140,12 +142,12 @@ def complete_run(
 
 
 def end_to_end(args: argparse.Namespace, tokenizer: str, workdir: str) -> dict[str, Any]:
-    """Wall seconds of one N-seed run ("many") and of N one-seed runs (seeds 0..N-1), or of the
-    ones `--runs` names (the ratio then left out: a machine lent for one command of minutes
-    can take the runs in two commands, added up by hand)."""
+    """Wall seconds of one N-seed run ("many") and of N one-seed runs (seeds 0..N-1): the ones
+    `--runs` names, joined to the `--earlier_runs_s` of an earlier command; the ratio once
+    every run has its seconds."""
     n = args.num_seeds
     names = args.runs.split(",")  # checked by main: "many" and seeds 0..N-1 only
-    seconds: dict[str, float] = {}
+    seconds: dict[str, float] = dict(args.earlier_runs_s)
     for name in names:
         if name == "many":
             run = complete_run(args, tokenizer, workdir + "/run_many", n, 0)
@@ -154,7 +156,9 @@ def end_to_end(args: argparse.Namespace, tokenizer: str, workdir: str) -> dict[s
         seconds[name] = round(run, 1)
         print(f"run {name}: {run:.1f} s", file=sys.stderr, flush=True)
     result: dict[str, Any] = {"isolated": args.isolate, "runs_s": seconds}
-    if len(set(names)) == n + 1:  # every run: the ratio
+    if args.earlier_runs_s:  # their seconds are given, not measured here
+        result["earlier_runs"] = sorted(args.earlier_runs_s)
+    if len(seconds) == n + 1:  # every run: the ratio
         sequential = sum(seconds[str(i)] for i in range(n))
         result.update(seeds_run_s=seconds["many"], sequential_runs_s=round(sequential, 1))
         result[f"seeds{n}_over_sequential"] = round(sequential / seconds["many"], 3)
@@ -175,14 +179,36 @@ def main() -> None:
     parser.add_argument("--end_to_end_only", action="store_true", help="skip the step timing")
     parser.add_argument("--isolate", action="store_true", help="each complete run in a process")
     parser.add_argument("--runs", default="", help="complete runs, e.g. many,0,1 (default all)")
+    parser.add_argument(
+        "--earlier_runs_s",
+        type=json.loads,
+        default={},
+        help='runs_s of an earlier command (JSON), e.g. {"many": 177.4}',
+    )
     parser.add_argument("--complete_run", default="", help=argparse.SUPPRESS)  # N,SEED,WORKDIR
     args = parser.parse_args()
-    if args.step_only and (args.end_to_end_only or args.isolate or args.runs):
-        parser.error("--step_only times no complete run: drop --end_to_end_only/--isolate/--runs")
+    if args.step_only and (
+        args.end_to_end_only or args.isolate or args.runs or args.earlier_runs_s
+    ):
+        parser.error(
+            "--step_only times no complete run: drop --end_to_end_only/--isolate/--runs/"
+            "--earlier_runs_s"
+        )
     every_run = ["many", *map(str, range(args.num_seeds))]
     if args.runs and not set(args.runs.split(",")) <= set(every_run):
         parser.error(f"--runs={args.runs}: names from {','.join(every_run)}")
-    args.runs = args.runs or ",".join(every_run)
+    earlier = args.earlier_runs_s
+    if not (
+        isinstance(earlier, dict)
+        and set(earlier) <= set(every_run)
+        and all(isinstance(v, (int, float)) and v > 0 for v in earlier.values())
+    ):
+        parser.error(f"--earlier_runs_s: a JSON object of seconds named {','.join(every_run)}")
+    args.runs = args.runs or ",".join(k for k in every_run if k not in earlier)
+    if not args.runs:
+        parser.error("--earlier_runs_s holds every run: nothing is left to time")
+    if set(args.runs.split(",")) & set(earlier):
+        parser.error(f"--runs={args.runs} repeats runs of --earlier_runs_s")
     logging.set_verbosity(logging.WARNING)
     if args.complete_run:  # one of --isolate's processes
         n, seed, workdir = args.complete_run.split(",", 2)
