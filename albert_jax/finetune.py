@@ -34,7 +34,6 @@ Files written (process 0):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
@@ -62,7 +61,6 @@ from albert_jax.loop import Loop
 from albert_jax.sharding import create_mesh, fetch, process_rows
 from albert_jax.tasks import packing, registry
 from albert_jax.tasks.batching import (
-    Features,
     bucket_lengths,
     eval_batches,
     train_batch,
@@ -155,7 +153,7 @@ class FineTuning:
         self.total_steps = self._num_train_steps()
         if len(self.train_features) == 0 and self.total_steps > 0:
             raise ValueError(f"no training examples for task {config.task!r}")
-        self.train_fingerprint = _fingerprint(self.train_features)
+        self.train_fingerprint = self.train_features.fingerprint()
         self.train_arrays = {k: self.train_features.arrays[k] for k in self.kind.model_inputs}
         features = self.train_features if len(self.train_features) else self.eval_features[0]
         rows = mesh.shape["data"] * mesh.shape["fsdp"]  # the init batch splits over the mesh
@@ -394,13 +392,14 @@ class FineTuning:
                 self.predictions[seed].append(predictions)
         if self.num_seeds == 1:
             self.results = per_seed[self.seeds[0]]
-            return {f"eval_{k}": v for k, v in self.results.items() if _is_number(v)}
+            return {f"eval_{k}": v for k, v in self.results.items() if seeds.is_number(v)}
         norms = fetch(jax.jit(jax.vmap(optax.tree.norm))(params))
         finite = {seed: bool(np.isfinite(n)) for seed, n in zip(self.seeds, norms, strict=True)}
         self.results = seeds.summarize(per_seed, finite)
         logged = {f"eval_{k}": v for k, v in self.results["median"].items()}
         for seed, metrics in per_seed.items():
-            logged.update({f"eval_{k}/seed_{seed}": v for k, v in metrics.items() if _is_number(v)})
+            numbers = {k: v for k, v in metrics.items() if seeds.is_number(v)}
+            logged.update({f"eval_{k}/seed_{seed}": v for k, v in numbers.items()})
         return logged
 
     def _eval_order(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -458,20 +457,6 @@ class FineTuning:
         pass
 
 
-def _fingerprint(features: Features) -> str:
-    """sha256 over the names, dtypes, shapes and bytes of the feature arrays."""
-    digest = hashlib.sha256()
-    for name in sorted(features.arrays):
-        array = np.ascontiguousarray(features.arrays[name])
-        digest.update(f"{name}:{array.dtype.str}:{array.shape};".encode())
-        digest.update(array.tobytes())
-    return digest.hexdigest()
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def finetune_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     """Fine-tunes `config.init` on `config.task` and evaluates it; returns the eval results
     (also written to WORKDIR/eval_results.json; see the module docstring).
@@ -504,7 +489,7 @@ def finetune_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     if jax.process_index() == 0:
         files.write_json(files.as_path(workdir) / EVAL_RESULTS_FILE, results)
     numbers = results.get("median", results)
-    numbers = {k: v for k, v in numbers.items() if _is_number(v) and k != "step"}
+    numbers = {k: v for k, v in numbers.items() if seeds.is_number(v) and k != "step"}
     logging.info("eval: %s", ", ".join(f"{k} {v:.4g}" for k, v in numbers.items()))
     return results
 
@@ -531,18 +516,4 @@ def _restart_failed_seeds(config: Any, workdir: str, results: dict[str, Any]) ->
     rerun = finetune_and_evaluate(restart, str(files.as_path(workdir) / RESTART_DIR))
     if rerun.get("preempted"):
         raise RuntimeError("preempted while restarting failed seeds; run the command again")
-    new = [int(s) for s in rerun["seeds"]]
-    dropped = {f["seed"] for f in failed}
-    per_seed = {int(s): v for s, v in results["per_seed"].items() if int(s) not in dropped}
-    per_seed.update({int(s): v for s, v in rerun["per_seed"].items()})
-    diverged = {f["seed"] for f in rerun["failed_seeds"] if f["reason"].startswith("diverged")}
-    merged = seeds.summarize(per_seed, {s: s not in diverged for s in per_seed})
-    merged["replaced_seeds"] = [
-        {**f, "replaced_by": s, "metrics": results["per_seed"][str(f["seed"])]}
-        for f, s in zip(failed, new, strict=True)
-    ]
-    return {
-        **results,
-        **merged,
-        "prediction_files": results.get("prediction_files", []) + rerun.get("prediction_files", []),
-    }
+    return seeds.merge_restarted(results, rerun)

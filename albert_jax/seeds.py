@@ -11,6 +11,8 @@ config with `seed + i` would make. This module holds what is about seeds, not ab
   of each metric and `failed_seeds`: seeds that diverged (non-finite parameters) or ended at
   the level of a constant predictor (`failure`) — ALBERT's known fine-tuning failure, a run
   stuck at the majority class.
+- `merge_restarted`: those results with the failed seeds replaced by a run of fresh ones
+  (`config.restart_failed_seeds`).
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def summarize(
       none of the statistics.
     """
     seeds = list(per_seed)
-    names = [k for k, v in per_seed[seeds[0]].items() if _is_number(v)]
+    names = [k for k, v in per_seed[seeds[0]].items() if is_number(v)]
     stats: dict[str, dict[str, float]] = {s: {} for s in STATISTICS}
     for name in names:
         values = np.array([float(per_seed[s][name]) for s in seeds if finite[s]], np.float64)
@@ -125,5 +127,25 @@ def summarize(
     }
 
 
-def _is_number(value: Any) -> bool:
+def merge_restarted(results: Mapping[str, Any], rerun: Mapping[str, Any]) -> dict[str, Any]:
+    """`results` of a run with `failed_seeds`, with the `rerun` of as many fresh seeds in
+    their place: `per_seed` and the statistics over the kept and the new seeds,
+    `replaced_seeds` [{"seed", "reason", "replaced_by", "metrics"}], `failed_seeds` those of
+    the new seeds that failed too, the prediction files of both."""
+    failed = results["failed_seeds"]
+    dropped = {f["seed"] for f in failed}
+    per_seed = {int(s): v for s, v in results["per_seed"].items() if int(s) not in dropped}
+    per_seed.update({int(s): v for s, v in rerun["per_seed"].items()})
+    diverged = {f["seed"] for f in rerun["failed_seeds"] if f["reason"].startswith("diverged")}
+    merged = summarize(per_seed, {s: s not in diverged for s in per_seed})
+    merged["replaced_seeds"] = [
+        {**f, "replaced_by": int(s), "metrics": results["per_seed"][str(f["seed"])]}
+        for f, s in zip(failed, rerun["seeds"], strict=True)
+    ]
+    files = list(results.get("prediction_files", [])) + list(rerun.get("prediction_files", []))
+    return {**results, **merged, "prediction_files": files}
+
+
+def is_number(value: Any) -> bool:
+    """A metric value (int or float, not bool): what the statistics and logs take."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 from collections.abc import Iterator, Mapping
 
 import numpy as np
@@ -64,6 +65,16 @@ class Features:
 
     def __len__(self) -> int:
         return len(next(iter(self.arrays.values()))) if self.arrays else 0
+
+    def fingerprint(self) -> str:
+        """sha256 over the names, dtypes, shapes and bytes of the arrays (a resumed run's
+        check that it trains on the same features)."""
+        digest = hashlib.sha256()
+        for name in sorted(self.arrays):
+            array = np.ascontiguousarray(self.arrays[name])
+            digest.update(f"{name}:{array.dtype.str}:{array.shape};".encode())
+            digest.update(array.tobytes())
+        return digest.hexdigest()
 
 
 def pad_ids(ids: list[int], length: int, pad: int = 0) -> list[int]:
