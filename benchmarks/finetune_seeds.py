@@ -42,7 +42,7 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 from absl import logging  # noqa: E402
 
-from albert_jax import finetune  # noqa: E402
+from albert_jax import finetune, seeds  # noqa: E402
 from albert_jax.finetune import FineTuning  # noqa: E402
 from albert_jax.finetune_config import validate_config  # noqa: E402
 from albert_jax.sharding import (  # noqa: E402
@@ -201,7 +201,7 @@ def main() -> None:
     if not (
         isinstance(earlier, dict)
         and set(earlier) <= set(every_run)
-        and all(isinstance(v, (int, float)) and v > 0 for v in earlier.values())
+        and all(seeds.is_number(v) and v > 0 for v in earlier.values())
     ):
         parser.error(f"--earlier_runs_s: a JSON object of seconds named {','.join(every_run)}")
     args.runs = args.runs or ",".join(k for k in every_run if k not in earlier)
