@@ -19,7 +19,8 @@ complete run's seconds also go to stderr as it ends, so a run cut off by a time 
 how long the finished ones took. `--isolate` runs each complete run in its own process,
 `--runs=many,0,1` only those (the N-seed run, one-seed runs 0 and 1). On a machine lent for
 commands of minutes the isolated runs take two: the second names the first's `runs_s` with
-`--earlier_runs_s='{"many": 177.4, "0": 131.6}'` and runs only the others, for the ratio.
+`--earlier_runs_s='{"many": 161.8, "0": 108.1, "1": 113.9}'` and runs only the others, for
+the ratio.
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ def main() -> None:
         "--earlier_runs_s",
         type=json.loads,
         default={},
-        help='runs_s of an earlier command (JSON), e.g. {"many": 177.4}',
+        help='runs_s of an earlier command (JSON), e.g. {"many": 161.8}',
     )
     parser.add_argument("--complete_run", default="", help=argparse.SUPPRESS)  # N,SEED,WORKDIR
     args = parser.parse_args()
