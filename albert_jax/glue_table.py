@@ -470,6 +470,7 @@ def main(argv: list[str]) -> None:
 
 
 def run() -> None:
+    process_setup.keep_freed_host_memory()  # a CPU-only host; before JAX starts its backend
     _define_flags()
     app.run(main, flags_parser=parse_flags)
 

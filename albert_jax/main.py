@@ -9,7 +9,8 @@ Multi-host: `jax.distributed.initialize()` runs only when several processes take
 pods (detected from the TPU runtime environment), when `JAX_COORDINATOR_ADDRESS` is set, or with
 `--coordinator_address --num_processes --process_id` (e.g. CPU/GPU hosts or a localhost test).
 A run stopped by SIGTERM (or a TPU preemption notice) saves a checkpoint and exits 0; starting
-the same command again resumes.
+the same command again resumes. On a CPU-only host the memory XLA frees after a step stays for
+the next (`process_setup.keep_freed_host_memory`).
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ def unknown_override_message(argv: list[str], error: BaseException) -> str:
 
 
 def run() -> None:
+    process_setup.keep_freed_host_memory()  # a CPU-only host; before JAX starts its backend
     app.run(main, flags_parser=parse_flags)
 
 

@@ -1,5 +1,6 @@
 """Process-wide setup: joining the other processes of a multi-host run (what every entry point
-does first, before a config is read), and keeping TensorFlow off the accelerators. TensorFlow
+does first, before a config is read), keeping TensorFlow off the accelerators, and on a CPU
+host keeping the memory XLA frees after a step for the next one. TensorFlow
 only reads data (TFDS) and writes TensorBoard files here; the TFDS readers and the metrics
 writer hide the accelerators from it just before its first use, so a process that uses neither
 (an evaluation-only script, a notebook reading checkpoints) never imports it. No flags here, so
@@ -7,6 +8,9 @@ that each CLI (main, glue_table) imports it beside its own."""
 
 from __future__ import annotations
 
+import ctypes
+import importlib.metadata
+import importlib.util
 import os
 
 
@@ -58,3 +62,54 @@ def hide_accelerators_from_tensorflow() -> None:
         tf.config.set_visible_devices([], "TPU")
     except (RuntimeError, ValueError):  # already initialized, or no such device type
         pass
+
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+
+
+def jax_has_cpu_only() -> bool:
+    """True when JAX can only start its CPU backend: JAX_PLATFORMS=cpu, or no accelerator
+    runtime installed (no libtpu, no PJRT plugin under `jax_plugins`). Answered without
+    starting a backend, which `keep_freed_host_memory` must run before."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return platforms.strip().lower() == "cpu"
+    if os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu") is not None:
+        return False
+    if importlib.metadata.entry_points(group="jax_plugins"):
+        return False
+    namespace = importlib.util.find_spec("jax_plugins")
+    return namespace is None or not any(
+        any(True for _ in os.scandir(path)) for path in namespace.submodule_search_locations or ()
+    )
+
+
+def keep_freed_host_memory() -> bool:
+    """On a CPU-only host with glibc, makes the memory XLA frees at the end of a step serve
+    the next step instead of going back to the system; returns whether it did.
+
+    XLA:CPU allocates an execution's temporaries as one block (1.1 GB for an ALBERT-base
+    fine-tuning step on 32 sentences) and frees it when the step ends. glibc maps a block
+    that large on its own and unmaps it on free, so each step faulted every page in again:
+    273k page faults a step, 0.1-0.3 s of its 2.3-2.6 s on the 2-core Xeon (strace: one mmap
+    and munmap of the block per step). With one malloc arena, no mmap'd blocks and no
+    trimming of the heap's top, the block comes from the heap and stays there: 0 faults.
+
+    Must run before JAX starts its CPU backend: a thread keeps the arena of its first
+    allocation, and an arena of XLA's own threads (what glibc gives a second thread) cannot
+    hold a block over 64 MiB, so glibc maps it anyway. One arena only on a CPU-only host: a
+    TPU or GPU host's input pipeline runs many allocating threads, which one arena would
+    serialize. Other C libraries (musl, macOS) and a preloaded tcmalloc / jemalloc are left
+    as they are.
+    """
+    if not jax_has_cpu_only():
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    if not hasattr(libc, "gnu_get_libc_version"):  # the parameters are glibc's
+        return False
+    settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
+    return all(libc.mallopt(parameter, value) == 1 for parameter, value in settings)

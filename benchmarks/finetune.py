@@ -15,7 +15,7 @@ contender trains on the same rows in the same steps:
   batch comes from `objective.next_batch(step)`, placed by `sharding.put_batch`. `next_batch`
   packs the batch's examples into rows (`config.pack_examples`, tasks/packing.py: rows of a
   length bucket >= 128 tokens, attention within each example), so a step runs over about the
-  real tokens. Every shape the steps use is compiled before any is timed
+  real tokens. Every shape the steps use is compiled and run once before any is timed
   (`ours_compile_s_<L>`, by "rows x tokens"). `--buckets` adds `ours_buckets`: the same
   without packing, each batch cut to its length bucket (the shortest 32·2^k <= max_seq_length
   holding its longest row).
@@ -30,12 +30,16 @@ contender trains on the same rows in the same steps:
 
 A timed step is what a training loop does per step: the batch of step s (ours: `next_batch`
 + `put_batch`; HF: collation into tensors) and one update, until the loss is on the host.
-After `--warmup` untimed steps each, the contenders take turns, one step each, for `--rounds`
-rounds (round r = step warmup + r for all). `ours_over_hf_<L>` is the median over rounds of
+After `--warmup` untimed rounds (three: in the first two after HF's first steps, ours faulted
+its temporaries in again), the contenders take turns, one step each, for `--rounds` rounds
+(round r = step warmup + r for all). `ours_over_hf_<L>` is the median over rounds of
 (HF's step time / ours), i.e. an examples/s ratio paired within a round, which cancels the
-drift of a shared machine; `*_step_s_<L>` are medians. `--same_length` adds `hf_same_length`:
-HF on the same rows padded to the length bucket, whose ratio against `ours_buckets`
-(`ours_buckets_over_hf_same_length_<L>`) is the per-token speed alone. Mixed precision:
+drift of a shared machine; `*_step_s_<L>` are medians. The process keeps the memory XLA frees
+after a step for the next, as `albert_jax.main` does on a CPU-only host
+(`process_setup.keep_freed_host_memory`, `host_memory_kept`); torch runs under it too.
+`--same_length` adds `hf_same_length`: HF on the same rows padded to the length bucket, whose
+ratio against `ours_buckets` (`ours_buckets_over_hf_same_length_<L>`) is the per-token speed
+alone. Mixed precision:
 `--override=model.dtype=bfloat16` runs ours in bf16 (fp32 parameters and optimizer), and
 `--hf_bf16` adds HF as Trainer's `bf16=True` runs it on a CPU (the forward pass under
 `torch.autocast("cpu", torch.bfloat16)`), `ours_over_hf_bf16_<L>` the ratio against it.
@@ -69,8 +73,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from albert_jax import process_setup  # noqa: E402
+
+# As the entry points do, before any backend starts (it applies to HF's torch alike).
+HOST_MEMORY_KEPT = process_setup.keep_freed_host_memory()
+
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import logging  # noqa: E402
 
@@ -175,6 +185,10 @@ class Ours:
         return put_batch(host, self.sharding, self.objective.global_batch)
 
     def compile(self, steps: list[int]) -> None:
+        """Compiles each batch shape of `steps` and runs it once on a copy of the state: an
+        executable's first run pays one-time costs (XLA:CPU's set-up and first-touch memory,
+        0.5-1.2 s for base on the 2-core Xeon, ~25-45% of a step), which a run of hundreds
+        of steps pays once per shape and a timed step should not include."""
         for step in steps:
             batch = self.batch(step)
             shape = "x".join(map(str, batch["input_ids"].shape))  # rows x tokens
@@ -182,6 +196,8 @@ class Ours:
                 start = time.perf_counter()
                 self.compiled[shape] = self.jitted.lower(self.state, batch).compile()
                 self.compile_s[shape] = time.perf_counter() - start
+                scratch = jax.tree.map(jnp.copy, self.state)  # donated to the first run
+                jax.block_until_ready(self.compiled[shape](scratch, batch))
 
     def step(self, step: int) -> float:
         batch = self.batch(step)
@@ -376,7 +392,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lengths", default="512,128", help="max_seq_length values")
     parser.add_argument("--rounds", type=int, default=0, help="timed rounds (0: 3, tiny 10)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per contender")
+    parser.add_argument(
+        "--warmup", type=int, default=3, help="untimed rounds (one step per contender each)"
+    )
     parser.add_argument(
         "--hf_threads", default="", help="torch thread counts to run (default: 1,CPU count)"
     )
@@ -418,6 +436,7 @@ def main() -> None:
         "torch_default_threads": args.torch_default_threads,
         "hf_threads": args.hf_threads,
         "load_average_start": round(os.getloadavg()[0], 2),
+        "host_memory_kept": HOST_MEMORY_KEPT,
     }
     if args.override:
         result["override"] = args.override

@@ -71,6 +71,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "jax")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from albert_jax import process_setup  # noqa: E402
+
+process_setup.keep_freed_host_memory()  # as the entry points do, before any backend starts
+
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -118,10 +122,14 @@ def time_interleaved(
 ) -> dict[str, list[float]]:
     """Seconds of each contender's steps, timed in turns: round r runs one step of each.
 
+    The warm-up steps take turns too: the contenders share the process's heap, and the
+    memory a contender's first steps take and free moves the others' big buffers (on a CPU,
+    a fine-tuning step of ours faulted its 1.1 GB of temporaries in again for two rounds
+    after HF's first steps), so the timed rounds start once every contender has run.
     Every `step` must block until its result is ready.
     """
-    for step in steps.values():
-        for _ in range(warmup):
+    for _ in range(warmup):
+        for step in steps.values():
             step()
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):

@@ -1,0 +1,61 @@
+"""process_setup's host-memory setting, in fresh processes (it must run before JAX starts)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from albert_jax import process_setup
+
+# A jitted function whose one temporary (the 5000 x 5000 float32 product, 100 MB, over glibc's
+# 64 MiB arena heaps) outlives no call: XLA:CPU allocates it per call and frees it after.
+PROBE = """
+import json, resource, sys
+from albert_jax import process_setup
+kept = process_setup.keep_freed_host_memory() if sys.argv[1] == "keep" else False
+import jax, jax.numpy as jnp
+f = jax.jit(lambda x, w, v: jnp.sin(x @ w) @ v)
+x, w, v = jnp.ones((5000, 8)), jnp.ones((8, 5000)), jnp.ones((5000, 1))
+faults = []
+for _ in range(5):
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    f(x, w, v).block_until_ready()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start)
+print(json.dumps({"kept": kept, "faults": faults}))
+"""
+
+
+def probe(mode: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, mode], env=env, capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def glibc() -> bool:
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION") is not None
+    except (ValueError, OSError):
+        return False
+
+
+@pytest.mark.skipif(not glibc(), reason="glibc's malloc only")
+def test_freed_host_memory_serves_the_next_call():
+    """Without the setting each call faults the 100 MB temporary in again (~24k pages); with
+    it, once the heap has grown, calls reuse its pages."""
+    default, kept = probe("default"), probe("keep")
+    assert not default["kept"] and kept["kept"]
+    assert min(default["faults"][2:]) > 20_000, default
+    assert max(kept["faults"][2:]) < 2_000, kept  # the heap has grown to its size by then
+
+
+def test_cpu_only_follows_jax_platforms(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert process_setup.jax_has_cpu_only()
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu,cpu")
+    assert not process_setup.jax_has_cpu_only()
+    assert not process_setup.keep_freed_host_memory()  # an accelerator host: left as it is
