@@ -34,9 +34,10 @@ After `--warmup` untimed rounds (three: in the first two after HF's first steps,
 its temporaries in again), the contenders take turns, one step each, for `--rounds` rounds
 (round r = step warmup + r for all). `ours_over_hf_<L>` is the median over rounds of
 (HF's step time / ours), i.e. an examples/s ratio paired within a round, which cancels the
-drift of a shared machine; `*_step_s_<L>` are medians. The process keeps the memory XLA frees
-after a step for the next, as `albert_jax.main` does on a CPU-only host
-(`process_setup.keep_freed_host_memory`, `host_memory_kept`); torch runs under it too.
+drift of a shared machine; `*_step_s_<L>` are medians. Ours' process keeps the memory XLA
+frees after a step for the next, as `albert_jax.main` does on a CPU-only host
+(`process_setup.keep_freed_host_memory`, `host_memory_kept`); HF's contenders run in a process
+of their own (`TorchProcess`) under glibc's defaults, as HF's Trainer does.
 `--same_length` adds `hf_same_length`: HF on the same rows padded to the length bucket, whose
 ratio against `ours_buckets` (`ours_buckets_over_hf_same_length_<L>`) is the per-token speed
 alone. Mixed precision:
@@ -58,14 +59,15 @@ N seeds in one program against N runs (`seeds4_over_sequential`): benchmarks/fin
 from __future__ import annotations
 
 import argparse
-import functools
 import gzip
 import json
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -73,17 +75,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from albert_jax import process_setup  # noqa: E402
-
-# As the entry points do, before any backend starts (it applies to HF's torch alike).
-HOST_MEMORY_KEPT = process_setup.keep_freed_host_memory()
-
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import logging  # noqa: E402
 
+from albert_jax import process_setup  # noqa: E402
 from albert_jax.finetune import FineTuning  # noqa: E402
 from albert_jax.finetune_config import optimizer_config, validate_config  # noqa: E402
 from albert_jax.hf_checkpoint import to_hf_config  # noqa: E402
@@ -273,6 +271,53 @@ class HFTorch:
         return float(loss.detach())
 
 
+def _torch_worker(conn: Any) -> None:
+    """TorchProcess's side: builds `HFTorch` contenders by name and runs their steps."""
+    models: dict[str, HFTorch] = {}
+    while (request := conn.recv())[0] != "stop":
+        command, name, *args = request
+        try:
+            if command == "build":
+                models[name] = HFTorch(**args[0])
+                conn.send(("ok", None))
+            else:  # "step"
+                conn.send(("ok", models[name].step(*args)))
+        except Exception:  # noqa: BLE001 - reported in the parent, which stops
+            conn.send(("error", traceback.format_exc()))
+
+
+class TorchProcess:
+    """The HF contenders in a process of their own, one step per request.
+
+    Ours' process keeps the memory XLA frees (`process_setup.keep_freed_host_memory`: one
+    malloc arena), which made torch's bfloat16 step 1.5x slower when the two shared it
+    (2.2 -> 3.5 s, HF base, 32 sentences, 2 threads; float32 within noise); HF's Trainer runs
+    under glibc's defaults, so its contenders do here. A request costs ~1 ms of the timed step
+    (32 rows of token ids through a pipe)."""
+
+    def __init__(self) -> None:
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: default malloc
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_torch_worker, args=(child,), daemon=True)
+        self.process.start()
+
+    def _ask(self, *request: Any) -> Any:
+        self.conn.send(request)
+        status, value = self.conn.recv()
+        if status == "error":
+            raise RuntimeError(f"HF contender {request[1]}: {value}")
+        return value
+
+    def build(self, name: str, **kwargs: Any) -> Callable[..., float]:
+        """`HFTorch(**kwargs)` as contender `name`; returns its `step(rows, pad_to=None)`."""
+        self._ask("build", name, kwargs)
+        return lambda rows, pad_to=None: self._ask("step", name, rows, pad_to)
+
+    def close(self) -> None:
+        self.conn.send(("stop",))
+        self.process.join()
+
+
 def unpadded_rows(batch: dict[str, np.ndarray]) -> list[dict[str, Any]]:
     """A host batch of ours → HF features: each row cut to its real tokens."""
     lengths = batch["input_mask"].sum(axis=1)
@@ -295,9 +340,14 @@ def in_turn(run: Callable[[int], Any], steps: list[int]) -> Callable[[], Any]:
 
 
 def measure_length(
-    args: argparse.Namespace, tokenizer: str, length: int, workdir: str
+    args: argparse.Namespace,
+    tokenizer: str,
+    length: int,
+    workdir: str,
+    torch_process: TorchProcess,
 ) -> dict[str, Any]:
-    """Every contender at max_seq_length `length`; the result keys end in `_<length>`."""
+    """Every contender at max_seq_length `length` (HF's in `torch_process`); the result keys
+    end in `_<length>`."""
     warmup_steps = list(range(1, args.warmup + 1))
     timed_steps = list(range(args.warmup + 1, args.warmup + args.rounds + 1))
     config = make_config(args, tokenizer, length)
@@ -320,20 +370,18 @@ def measure_length(
         rows = {s: unpadded_rows(b) for s, b in batches.items()}
         bucket = {s: trim_to_bucket(b, ("input_mask",))[1] for s, b in batches.items()}
         ours_tokens = {s: ours.batch(s)["input_ids"].size / args.batch for s in steps}
-        hf_model = functools.partial(
-            HFTorch, objective.config, objective.model_config, tokenizer,
-            objective.spec.num_labels,
-        )  # fmt: skip
+        hf_args = {"config": objective.config, "model_config": objective.model_config,
+                   "tokenizer": tokenizer, "labels": objective.spec.num_labels}  # fmt: skip
         for threads in args.hf_threads:
-            hf = hf_model(threads)
-            contenders[f"hf_{threads}t"] = lambda s, hf=hf: hf.step(rows[s])
+            hf = torch_process.build(f"hf_{threads}t", **hf_args, threads=threads)
+            contenders[f"hf_{threads}t"] = lambda s, hf=hf: hf(rows[s])
             if args.hf_bf16:
-                hf_bf16 = hf_model(threads, bf16=True)
-                contenders[f"hf_bf16_{threads}t"] = lambda s, hf=hf_bf16: hf.step(rows[s])
-            if args.same_length:
-                contenders[f"hf_same_length_{threads}t"] = lambda s, hf=hf: hf.step(
-                    rows[s], pad_to=bucket[s]
+                hf_bf16 = torch_process.build(
+                    f"hf_bf16_{threads}t", **hf_args, threads=threads, bf16=True
                 )
+                contenders[f"hf_bf16_{threads}t"] = lambda s, hf=hf_bf16: hf(rows[s])
+            if args.same_length:
+                contenders[f"hf_same_length_{threads}t"] = lambda s, hf=hf: hf(rows[s], bucket[s])
         turns = {name: in_turn(run, steps) for name, run in contenders.items()}
         times = time_interleaved(turns, args.warmup, args.rounds)
 
@@ -386,6 +434,9 @@ def measure_length(
 
 
 def main() -> None:
+    # Ours' process as `albert_jax.main` sets it up, before a backend starts; HF's contenders
+    # run in a process of their own (TorchProcess) under glibc's defaults, as HF's Trainer does.
+    host_memory_kept = process_setup.keep_freed_host_memory()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--size", default="base", choices=pretrain.SIZES)
@@ -436,19 +487,21 @@ def main() -> None:
         "torch_default_threads": args.torch_default_threads,
         "hf_threads": args.hf_threads,
         "load_average_start": round(os.getloadavg()[0], 2),
-        "host_memory_kept": HOST_MEMORY_KEPT,
+        "host_memory_kept": host_memory_kept,
     }
     if args.override:
         result["override"] = args.override
+    torch_process = TorchProcess()
     with tempfile.TemporaryDirectory() as workdir:
         tokenizer = make_tokenizer(args, workdir)
         from albert_jax.data.tokenizer import Tokenizer
 
         result["vocab_size"] = Tokenizer(tokenizer).vocab_size
         for length in (int(x) for x in args.lengths.split(",")):
-            measured = measure_length(args, tokenizer, length, f"{workdir}/{length}")
+            measured = measure_length(args, tokenizer, length, f"{workdir}/{length}", torch_process)
             print(json.dumps(measured), file=sys.stderr, flush=True)  # each length as it ends
             result.update(measured)
+    torch_process.close()
     result["load_average_end"] = round(os.getloadavg()[0], 2)
     result["total_s"] = round(time.perf_counter() - start, 1)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))

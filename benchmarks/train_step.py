@@ -71,10 +71,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "jax")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from albert_jax import process_setup  # noqa: E402
-
-process_setup.keep_freed_host_memory()  # as the entry points do, before any backend starts
-
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
