@@ -29,7 +29,7 @@ print(json.dumps({"kept": kept, "faults": faults}))
 
 
 def probe(mode: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}  # 1 device
     out = subprocess.run(
         [sys.executable, "-c", PROBE, mode], env=env, capture_output=True, text=True, check=True
     )
@@ -59,3 +59,12 @@ def test_cpu_only_follows_jax_platforms(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "tpu,cpu")
     assert not process_setup.jax_has_cpu_only()
     assert not process_setup.keep_freed_host_memory()  # an accelerator host: left as it is
+
+
+def test_several_cpu_devices_are_left_as_they_are(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert process_setup.cpu_device_count() == 8
+    assert not process_setup.keep_freed_host_memory()
+    monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "1")
+    assert process_setup.cpu_device_count() == 1
