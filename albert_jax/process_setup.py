@@ -114,8 +114,7 @@ def keep_freed_host_memory() -> bool:
     hold a block over 64 MiB, so glibc maps it anyway. One arena only on a CPU-only host: a
     TPU or GPU host's input pipeline runs many allocating threads, which one arena would
     serialize; and on one CPU device only: several run their executions on many threads at
-    once, which one arena serializes too (the test suite, 8 virtual devices, took 14.5 min
-    of CI under it against 9.6 min before; not A/B'd on one machine). Other C libraries
+    once, which one arena would serialize too, and that case was not measured. Other C libraries
     (musl, macOS) and a preloaded tcmalloc / jemalloc are left as they are.
     """
     if not jax_has_cpu_only() or cpu_device_count() > 1:
