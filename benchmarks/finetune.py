@@ -30,12 +30,12 @@ contender trains on the same rows in the same steps:
 
 A timed step is what a training loop does per step: the batch of step s (ours: `next_batch`
 + `put_batch`; HF: collation into tensors) and one update, until the loss is on the host.
-After `--warmup` untimed rounds (three: in the first two after HF's first steps, ours faulted
-its temporaries in again), the contenders take turns, one step each, for `--rounds` rounds
-(round r = step warmup + r for all). `ours_over_hf_<L>` is the median over rounds of
-(HF's step time / ours), i.e. an examples/s ratio paired within a round, which cancels the
-drift of a shared machine; `*_step_s_<L>` are medians. Ours' process keeps the memory XLA
-frees after a step for the next, as `albert_jax.main` does on a CPU-only host
+After `--warmup` untimed rounds (three: while HF still shared ours' process, ours faulted its
+temporaries in again in the first two after HF's first steps), the contenders take turns, one
+step each, for `--rounds` rounds (round r = step warmup + r for all). `ours_over_hf_<L>` is the
+median over rounds of (HF's step time / ours), i.e. an examples/s ratio paired within a round,
+which cancels the drift of a shared machine; `*_step_s_<L>` are medians. Ours' process keeps
+the memory XLA frees after a step for the next, as `albert_jax.main` does on a CPU-only host
 (`process_setup.keep_freed_host_memory`, `host_memory_kept`); HF's contenders run in a process
 of their own (`TorchProcess`) under glibc's defaults, as HF's Trainer does.
 `--same_length` adds `hf_same_length`: HF on the same rows padded to the length bucket, whose

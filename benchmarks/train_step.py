@@ -121,7 +121,8 @@ def time_interleaved(
     The warm-up steps take turns too: the contenders share the process's heap, and the
     memory a contender's first steps take and free moves the others' big buffers (on a CPU,
     a fine-tuning step of ours faulted its 1.1 GB of temporaries in again for two rounds
-    after HF's first steps), so the timed rounds start once every contender has run.
+    after HF's first steps, when HF ran in the same process), so the timed rounds start once
+    every contender has run.
     Every `step` must block until its result is ready.
     """
     for _ in range(warmup):
