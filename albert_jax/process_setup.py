@@ -82,7 +82,7 @@ def jax_has_cpu_only() -> bool:
         return False
     namespace = importlib.util.find_spec("jax_plugins")
     return namespace is None or not any(
-        any(True for _ in os.scandir(path)) for path in namespace.submodule_search_locations or ()
+        os.listdir(path) for path in namespace.submodule_search_locations or ()
     )
 
 
@@ -96,6 +96,16 @@ def cpu_device_count() -> int:
         r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", "")
     )
     return int(forced[-1]) if forced else 1
+
+
+def glibc() -> ctypes.CDLL | None:
+    """The process's C library when it is glibc (whose `mallopt` parameters the setting below
+    uses); None for other C libraries (musl, macOS)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "gnu_get_libc_version") else None
 
 
 def keep_freed_host_memory() -> bool:
@@ -119,11 +129,8 @@ def keep_freed_host_memory() -> bool:
     """
     if not jax_has_cpu_only() or cpu_device_count() > 1:
         return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    if not hasattr(libc, "gnu_get_libc_version"):  # the parameters are glibc's
+    libc = glibc()
+    if libc is None:
         return False
     settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
     return all(libc.mallopt(parameter, value) == 1 for parameter, value in settings)

@@ -36,14 +36,7 @@ def probe(mode: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def glibc() -> bool:
-    try:
-        return os.confstr("CS_GNU_LIBC_VERSION") is not None
-    except (ValueError, OSError):
-        return False
-
-
-@pytest.mark.skipif(not glibc(), reason="glibc's malloc only")
+@pytest.mark.skipif(process_setup.glibc() is None, reason="glibc's malloc only")
 def test_freed_host_memory_serves_the_next_call():
     """Without the setting each call faults the 100 MB temporary in again (~24k pages); with
     it, most later calls reuse the heap's pages."""
