@@ -30,8 +30,8 @@ contender trains on the same rows in the same steps:
 
 A timed step is what a training loop does per step: the batch of step s (ours: `next_batch`
 + `put_batch`; HF: collation into tensors) and one update, until the loss is on the host.
-After `--warmup` untimed rounds (three: while HF still shared ours' process, ours faulted its
-temporaries in again in the first two after HF's first steps), the contenders take turns, one
+After `--warmup` untimed rounds (three; with HF in its own process 1, 3 and 6 gave the same
+ratio within noise: 1.58, 1.57, 1.51 at 512 on the 2-core Xeon), the contenders take turns, one
 step each, for `--rounds` rounds (round r = step warmup + r for all). `ours_over_hf_<L>` is the
 median over rounds of (HF's step time / ours), i.e. an examples/s ratio paired within a round,
 which cancels the drift of a shared machine; `*_step_s_<L>` are medians. Ours' process keeps
