@@ -125,7 +125,8 @@ def keep_freed_host_memory() -> bool:
     TPU or GPU host's input pipeline runs many allocating threads, which one arena would
     serialize; and on one CPU device only: several run their executions on many threads at
     once, which one arena would serialize too, and that case was not measured. Other C libraries
-    (musl, macOS) and a preloaded tcmalloc / jemalloc are left as they are.
+    (musl, macOS) and a preloaded tcmalloc / jemalloc are left as they are. `albert_jax.main`
+    calls it for fine-tuning runs only (`main.set_up_process`: it slowed the pretraining step).
     """
     if not jax_has_cpu_only() or cpu_device_count() > 1:
         return False

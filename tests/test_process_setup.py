@@ -12,10 +12,16 @@ from albert_jax import process_setup
 
 # A jitted function whose one temporary (the 5000 x 5000 float32 product, 100 MB, over glibc's
 # 64 MiB arena heaps) outlives no call: XLA:CPU allocates it per call and frees it after.
+# argv[1]: "keep" / "default" (the setting or not), or a config file that `albert_jax.main`
+# parses and sets its process up for, as `python -m albert_jax.main` does before JAX starts.
 PROBE = """
 import json, resource, sys
-from albert_jax import process_setup
-kept = process_setup.keep_freed_host_memory() if sys.argv[1] == "keep" else False
+from albert_jax import main, process_setup
+if sys.argv[1] in ("keep", "default"):
+    kept = process_setup.keep_freed_host_memory() if sys.argv[1] == "keep" else False
+else:
+    main.FLAGS(["main", "--config=" + sys.argv[1], "--workdir=unused"])
+    kept = main.set_up_process(main.FLAGS.config)
 import jax, jax.numpy as jnp
 f = jax.jit(lambda x, w, v: jnp.sin(x @ w) @ v)
 x, w, v = jnp.ones((5000, 8)), jnp.ones((8, 5000)), jnp.ones((5000, 1))
@@ -31,7 +37,12 @@ print(json.dumps({"kept": kept, "faults": faults}))
 def probe(mode: str) -> dict:
     env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}  # 1 device
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, mode], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", PROBE, mode],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -46,6 +57,17 @@ def test_freed_host_memory_serves_the_next_call():
     # The heap grows over the first calls and, on a loaded machine, again now and then (by the
     # order of the frees), so: most later calls fault nothing.
     assert sum(f < 2_000 for f in kept["faults"][1:]) >= 4, kept
+
+
+@pytest.mark.skipif(process_setup.glibc() is None, reason="glibc's malloc only")
+def test_main_keeps_freed_memory_for_fine_tuning_only():
+    """`albert_jax.main` sets the process up after parsing its flags: a fine-tuning config
+    gets the setting (in time: its calls reuse the heap's pages), pretraining does not."""
+    finetune = probe("configs/finetune.py:task=sentiment_rt,init=")
+    assert finetune["kept"], finetune
+    assert sum(f < 2_000 for f in finetune["faults"][1:]) >= 4, finetune
+    pretrain = probe("configs/pretrain.py:size=tiny")
+    assert not pretrain["kept"] and min(pretrain["faults"][1:]) > 20_000, pretrain
 
 
 def test_cpu_only_follows_jax_platforms(monkeypatch):
