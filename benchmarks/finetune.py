@@ -35,9 +35,10 @@ ratio within noise: 1.58, 1.57, 1.51 at 512 on the 2-core Xeon), the contenders 
 step each, for `--rounds` rounds (round r = step warmup + r for all). `ours_over_hf_<L>` is the
 median over rounds of (HF's step time / ours), i.e. an examples/s ratio paired within a round,
 which cancels the drift of a shared machine; `*_step_s_<L>` are medians. Ours' process keeps
-the memory XLA frees after a step for the next, as `albert_jax.main` does on a CPU-only host
-(`process_setup.keep_freed_host_memory`, `host_memory_kept`); HF's contenders run in a process
-of their own (`TorchProcess`) under glibc's defaults, as HF's Trainer does.
+the memory XLA frees after a step for the next, as `albert_jax.main` does for a fine-tuning run
+on a CPU-only host (`process_setup.keep_freed_host_memory`, `host_memory_kept`); HF's
+contenders run in a process of their own (`TorchProcess`) under glibc's defaults, as HF's
+Trainer does.
 `--same_length` adds `hf_same_length`: HF on the same rows padded to the length bucket, whose
 ratio against `ours_buckets` (`ours_buckets_over_hf_same_length_<L>`) is the per-token speed
 alone. Mixed precision:

@@ -12,16 +12,29 @@ from albert_jax import process_setup
 
 # A jitted function whose one temporary (the 5000 x 5000 float32 product, 100 MB, over glibc's
 # 64 MiB arena heaps) outlives no call: XLA:CPU allocates it per call and frees it after.
-# argv[1]: "keep" / "default" (the setting or not), or a config file that `albert_jax.main`
-# parses and sets its process up for, as `python -m albert_jax.main` does before JAX starts.
+# argv[1]: "keep" / "default" (the setting or not), or a config: `albert_jax.main.run()` on it,
+# as `python -m albert_jax.main` runs it, stopped where its run would start JAX (what it set up
+# by then stays), with the setting's calls recorded.
 PROBE = """
 import json, resource, sys
-from albert_jax import main, process_setup
+from albert_jax import process_setup
 if sys.argv[1] in ("keep", "default"):
     kept = process_setup.keep_freed_host_memory() if sys.argv[1] == "keep" else False
 else:
-    main.FLAGS(["main", "--config=" + sys.argv[1], "--workdir=unused"])
-    kept = main.set_up_process(main.FLAGS.config)
+    from albert_jax import main
+    calls, setting = [], process_setup.keep_freed_host_memory
+    process_setup.keep_freed_host_memory = lambda: calls.append(setting()) or calls[-1]
+    class Started(Exception):
+        pass
+    def start():  # main's first step towards JAX
+        raise Started
+    main.initialize_distributed = start
+    sys.argv = ["main", "--config=" + sys.argv[1], "--workdir=unused"]
+    try:
+        main.run()
+    except Started:
+        pass
+    kept = any(calls)
 import jax, jax.numpy as jnp
 f = jax.jit(lambda x, w, v: jnp.sin(x @ w) @ v)
 x, w, v = jnp.ones((5000, 8)), jnp.ones((8, 5000)), jnp.ones((5000, 1))
@@ -62,7 +75,8 @@ def test_freed_host_memory_serves_the_next_call():
 @pytest.mark.skipif(process_setup.glibc() is None, reason="glibc's malloc only")
 def test_main_keeps_freed_memory_for_fine_tuning_only():
     """`albert_jax.main` sets the process up after parsing its flags: a fine-tuning config
-    gets the setting (in time: its calls reuse the heap's pages), pretraining does not."""
+    gets the setting before JAX starts (its calls reuse the heap's pages), pretraining does
+    not get it at all."""
     finetune = probe("configs/finetune.py:task=sentiment_rt,init=")
     assert finetune["kept"], finetune
     assert sum(f < 2_000 for f in finetune["faults"][1:]) >= 4, finetune
