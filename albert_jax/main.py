@@ -56,12 +56,12 @@ def is_fine_tuning(config: ConfigDict) -> bool:
 
 
 def set_up_process(config: ConfigDict) -> bool:
-    """Before JAX starts: a fine-tuning run keeps the memory XLA frees
-    after a step for the next (`process_setup.keep_freed_host_memory`, a CPU-only host);
-    returns whether it does. Pretraining is left under glibc's defaults: there the setting made
-    the step slower although it saved 70% of its page faults (ALBERT-base, 8 x 128, 2-core
-    Xeon: 1.05x, the median of 13 pairs of processes run alternately with and without it,
-    slower in 11), while it made the base fine-tuning step 1.04x faster (3 pairs)."""
+    """Before JAX starts: a fine-tuning run keeps the memory XLA frees after a step for the
+    next (`process_setup.keep_freed_host_memory`, a CPU-only host); returns whether it does.
+    Pretraining is left under glibc's defaults: there the setting made the step slower
+    although it saved 70% of its page faults (ALBERT-base, 8 x 128, 2-core Xeon: 1.05x, the
+    median of 13 pairs of processes run alternately with and without it, slower in 11), while
+    it made the base fine-tuning step 1.04x faster (3 pairs)."""
     return is_fine_tuning(config) and process_setup.keep_freed_host_memory()
 
 
