@@ -61,7 +61,7 @@ def set_up_process(config: ConfigDict) -> bool:
     Pretraining is left under glibc's defaults: there the setting made the step slower
     although it saved 70% of its page faults (ALBERT-base, 8 x 128, 2-core Xeon: 1.05x, the
     median of 13 pairs of processes run alternately with and without it, slower in 11), while
-    it made the base fine-tuning step 1.04x faster (3 pairs)."""
+    it made the base fine-tuning step 1.03x faster (the median of 6 such pairs, faster in 5)."""
     return is_fine_tuning(config) and process_setup.keep_freed_host_memory()
 
 
