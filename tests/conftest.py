@@ -155,9 +155,10 @@ def pytest_unconfigure(config) -> None:
     ends a process with 5 full collections (to report exceptions in finalizers), which on a
     worker's heap (1.6-1.9M objects: TF, torch, JAX) took 1-2 s each; execnet gives a worker
     5 s to end before it sends the worker SIGINT, whose KeyboardInterrupt then landed in
-    JAX's gc callback as a PytestUnraisableExceptionWarning. Collecting until nothing is found
-    keeps that check whole (finalizers run while pytest's hook still records them); the
-    frozen rest makes pytest's own collections take milliseconds."""
+    JAX's gc callback as a PytestUnraisableExceptionWarning. Collecting until a round finds
+    nothing (at most 5 rounds, as pytest's own) keeps that check whole (finalizers run while
+    pytest's hook still records them); the frozen rest makes pytest's own collections take
+    milliseconds."""
     import gc
 
     for _ in range(5):
