@@ -4,6 +4,9 @@ import pathlib
 
 from setuptools import find_packages, setup
 
+# The jax release the package is tested with; the [tpu] extra pins libtpu through it.
+JAX_VERSION = "0.10.2"
+
 setup(
     name="albert_jax",
     version="0.1.0",
@@ -15,7 +18,7 @@ setup(
     include_package_data=True,
     package_data={"albert_jax": ["data/demo/*"]},
     install_requires=[
-        "jax>=0.10.2",
+        f"jax>={JAX_VERSION}",
         "flax>=0.12.8",
         "optax>=0.2.5",
         "orbax-checkpoint>=0.12.8",
@@ -60,5 +63,9 @@ setup(
         # tensorflow-text requirement pulls the full `tensorflow` wheel on top of tensorflow-cpu.
         # The peer only needs `pip install --no-deps keras-hub kagglehub kagglesdk`.
         "peers": ["keras-hub>=0.32; python_version >= '3.11'"],
+        # The TPU compiler for `python -m albert_jax.plan` on any machine: jax's own [tpu] extra
+        # at the jax version installed with the package, which pins the libtpu it was built with
+        # (an unpinned newer libtpu compiles other programs, and hit a compiler error on v5p).
+        "tpu": [f"jax[tpu]=={JAX_VERSION}"],
     },
 )

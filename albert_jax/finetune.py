@@ -47,18 +47,18 @@ import optax
 from absl import logging
 from jax.sharding import Mesh
 
-from albert_jax import checkpointing, files, heads, optim, seeds
+from albert_jax import checkpointing, files, heads, seeds
 from albert_jax.backbone_init import InitReport, load_checkpoint_weights, merge_pretrained
 from albert_jax.config import ModelConfig
 from albert_jax.finetune_config import (
     KNOWN_FIELDS,
     check_batch,
     model_config,
-    optimizer_config,
     validate_config,
 )
 from albert_jax.loop import Loop
 from albert_jax.sharding import create_mesh, fetch, process_rows
+from albert_jax.task_model import TaskModel
 from albert_jax.tasks import packing, registry
 from albert_jax.tasks.batching import (
     bucket_lengths,
@@ -94,12 +94,11 @@ def build_model(spec: TaskSpec, model_config: ModelConfig, config: Any) -> nn.Mo
 # The fine-tuning objective of the loop
 
 
-class FineTuning:
-    """One task on one init: its data and features, the task model and loss of its kind, the
-    init merge, evaluation with the official metrics, and the files written at the end
-    (`loop.Objective`)."""
+class FineTuning(TaskModel):
+    """One task on one init: its data and features, the task model and loss of its kind
+    (`TaskModel`), the init merge, evaluation with the official metrics, and the files written
+    at the end (`loop.Objective`)."""
 
-    microbatches = 1
     flops_per_step = None
     final_eval = True  # the results of the run are the evaluation after its last step
     eval_reduces = False  # eval_fn returns per-row outputs, scored on the host
@@ -221,23 +220,7 @@ class FineTuning:
             )
         return int(config.num_train_steps)
 
-    # ------------------------------------------------------------------ model, loss, weights
-    def init_variables(self, rng: jax.Array) -> PyTree:
-        return self.kind.init_variables(self.model, rng, self.init_batch)["params"]
-
-    def make_optimizer(self, boxed_params: PyTree) -> optax.GradientTransformation:
-        del boxed_params  # AdamW / LAMB with one trust ratio per array
-        return optim.make_optimizer(optimizer_config(self.config, self.total_steps))
-
-    def loss(self, params: PyTree, batch: Mapping[str, jax.Array], rng: jax.Array):
-        outputs = self.kind.apply(self.model, params, batch, train=True, rng=rng)
-        return self.kind.loss(outputs, batch)
-
-    def eval_fn(self, params: PyTree, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-        """The kind's outputs [B, ...]; N seeds: [B, N, ...] (rows stay the sharded axis)."""
-        predict = lambda p: self.kind.apply(self.model, p, batch, train=False)  # noqa: E731
-        return predict(params) if self.num_seeds == 1 else jax.vmap(predict, out_axes=1)(params)
-
+    # ---------------------------------------------------------------------------- weights
     def initial_weights(self, abstract: Mapping[str, Any]) -> dict[str, Any]:
         """The checkpoint's weights the task model has (reported: loaded / missing, which the
         loop initializes / unexpected)."""
@@ -467,7 +450,11 @@ def finetune_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     """
     spec = validate_config(config)
     workdir = files.absolute(workdir)
-    mesh = create_mesh(*mesh_layout(config))
+    # config.mesh.auto sizes the layout by the `size` preset with config.model's fields (the
+    # checkpoint is read later, by the objective); an explicit mesh is checked there too.
+    auto = bool(config.mesh.get("auto", False))
+    preset = model_config(config, None, ModelConfig.preset(config.size).vocab_size)
+    mesh = create_mesh(*mesh_layout(config, preset if auto else None))
     objective = FineTuning(config, workdir, spec, mesh)
     loop = Loop(objective, config, workdir, mesh)
     try:

@@ -32,7 +32,7 @@ KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
         "train_files", "eval_files", "data_dir", "train_split", "eval_split", "race_levels",
         "tokenizer", "max_train_examples", "max_eval_examples",
     ),
-    "mesh": ("data", "fsdp", "tensor"),
+    "mesh": ("data", "fsdp", "tensor", "auto"),
     "debug": ("sigterm_after_step",),
 }  # fmt: skip
 
@@ -117,11 +117,16 @@ def model_config(
 
 
 def check_batch(name: str, value: int, mesh: Mesh) -> None:
-    split = mesh.shape["data"] * mesh.shape["fsdp"]
-    if value % split or value % jax.process_count():
+    check_batch_split(name, value, mesh.shape["data"] * mesh.shape["fsdp"], jax.process_count())
+
+
+def check_batch_split(name: str, value: int, split: int, processes: int) -> None:
+    """Raises ValueError naming `config.<name>` unless it splits over `split` data-parallel
+    devices and `processes` processes."""
+    if value % split or value % processes:
         raise ValueError(
             f"config.{name}={value} must be divisible by the {split} data-parallel devices and "
-            f"the {jax.process_count()} processes"
+            f"the {processes} processes"
         )
 
 

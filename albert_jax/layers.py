@@ -89,9 +89,23 @@ def _add_bias_bwd(bias: Array, g: Array) -> tuple[Array, Array]:
 add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
 
 
+def target_platform() -> str:
+    """The platform the program being traced is compiled for: that of the mesh's devices
+    (`jax.set_mesh`), else JAX's default backend.
+
+    Why not `jax.default_backend()` alone: a CPU machine compiling for a TPU slice
+    (`albert_jax.plan`) reports "cpu" there, and a branch on it would put the CPU program into
+    the pod's.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.abstract_device is not None:
+        return mesh.abstract_device.platform
+    return jax.default_backend()
+
+
 def matmul(x: Array, w: Array) -> Array:
     """x [M, K] . w [K, N] -> [M, N], both in the compute dtype; the result in it too."""
-    if x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+    if x.dtype == jnp.bfloat16 and target_platform() == "cpu":
         return _bf16_matmul_cpu(x, w)
     return x @ w
 
@@ -302,10 +316,10 @@ def fused_attention(q: Array, k: Array, v: Array, mask: Array, impl: str) -> Arr
       ValueError: naming `model.attention_impl` when the backend has no such kernel (checked
         while tracing, before anything compiles).
     """
-    if impl == "cudnn" and jax.default_backend() != "gpu":
+    if impl == "cudnn" and target_platform() != "gpu":
         raise ValueError(
-            f"model.attention_impl='cudnn' needs a GPU; this backend is "
-            f"{jax.default_backend()!r}: use 'xla' or 'dot_product'"
+            f"model.attention_impl='cudnn' needs a GPU; the target is "
+            f"{target_platform()!r}: use 'xla' or 'dot_product'"
         )
     rows = q.shape[2]
     if impl == "cudnn":

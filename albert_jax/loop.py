@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from albert_jax import checkpointing, flops, metrics_writer, preemption, resume, trees
 from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, put_batch
 from albert_jax.train_config import config_field, write_run_config
-from albert_jax.train_state import TrainState, create_state, make_step
+from albert_jax.train_state import TrainState, create_state, jit_step
 
 PyTree = Any
 Batch = Mapping[str, np.ndarray]
@@ -170,18 +170,7 @@ class Loop:
         self.writer = metrics_writer.MetricsWriter(workdir, enabled=jax.process_index() == 0)
         self._stack.callback(self.writer.close)
         shardings = self.layout.shardings
-        self.train_step = jax.jit(
-            make_step(
-                objective.loss,
-                self.layout.tx,
-                microbatches=objective.microbatches,
-                seed=int(config.seed),
-                num_seeds=objective.num_seeds,
-            ),
-            in_shardings=(shardings, self.batch_sharding),
-            out_shardings=(shardings, self.replicated),
-            donate_argnums=0,
-        )
+        self.train_step = jit_step(objective, self.layout, mesh, int(config.seed))
         self._eval_step = jax.jit(
             objective.eval_fn,
             in_shardings=(shardings.params, self.batch_sharding),

@@ -61,7 +61,10 @@ def set_up_process(config: ConfigDict) -> bool:
     Pretraining is left under glibc's defaults: there the setting made the step slower
     although it saved 70% of its page faults (ALBERT-base, 8 x 128, 2-core Xeon: 1.05x, the
     median of 13 pairs of processes run alternately with and without it, slower in 11), while
-    it made the base fine-tuning step 1.03x faster (the median of 6 such pairs, faster in 5)."""
+    it made the base fine-tuning step 1.03x faster (the median of 6 such pairs, faster in 5).
+    A host with libtpu (the `[tpu]` extra, for `albert_jax.plan`) but no TPU chip runs on the
+    CPU without trying a TPU backend first (`process_setup.skip_absent_tpu`)."""
+    process_setup.skip_absent_tpu()
     return is_fine_tuning(config) and process_setup.keep_freed_host_memory()
 
 

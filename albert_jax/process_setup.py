@@ -9,6 +9,7 @@ that each CLI (main, glue_table) imports it beside its own."""
 from __future__ import annotations
 
 import ctypes
+import glob
 import importlib.metadata
 import importlib.util
 import os
@@ -76,7 +77,7 @@ def jax_has_cpu_only() -> bool:
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if platforms:
         return platforms.strip().lower() == "cpu"
-    if os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu") is not None:
+    if tpu_runtime_usable():
         return False
     if importlib.metadata.entry_points(group="jax_plugins"):
         return False
@@ -84,6 +85,26 @@ def jax_has_cpu_only() -> bool:
     return namespace is None or not any(
         os.listdir(path) for path in namespace.submodule_search_locations or ()
     )
+
+
+def tpu_runtime_usable() -> bool:
+    """True when JAX could start a TPU backend here: the TPU runtime (libtpu) is installed
+    and this host has TPU chips (`/dev/accel*` on v2-v4 / v5e, `/dev/vfio/<n>` on v5p / v6e).
+    libtpu alone is the `[tpu]` extra of a CPU machine that compiles for TPU slices
+    (`albert_jax.plan`): it must not turn that machine's CPU runs into accelerator runs."""
+    if not (os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu")):
+        return False
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def skip_absent_tpu() -> None:
+    """JAX_PLATFORMS=cpu when libtpu is installed but this host has no TPU chip and no other
+    accelerator plugin, so that JAX does not try (and log that it failed) to start a TPU
+    backend; set before JAX starts one. Left alone when JAX_PLATFORMS is set."""
+    if os.environ.get("JAX_PLATFORMS") or tpu_runtime_usable():
+        return
+    if importlib.util.find_spec("libtpu") is not None and jax_has_cpu_only():
+        os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def cpu_device_count() -> int:

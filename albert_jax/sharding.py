@@ -73,6 +73,132 @@ def create_mesh(
     )
 
 
+def slice_mesh(shape: Sequence[int], devices: Sequence[Any], num_slices: int = 1) -> Mesh:
+    """A (data, fsdp, tensor) mesh of `shape` over TPU slice devices, laid on the physical
+    torus (`mesh_utils`); with several slices the data axis spans them (over the data-center
+    network: one gradient reduction a step) and fsdp / tensor stay inside each slice.
+
+    Raises:
+      ValueError: a data size that the slices do not divide.
+    """
+    from jax.experimental import mesh_utils
+
+    shape = tuple(shape)
+    if num_slices == 1:
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    else:
+        if shape[0] % num_slices:
+            raise ValueError(
+                f"mesh (data, fsdp, tensor)={shape}: data={shape[0]} must be a multiple of the "
+                f"{num_slices} slices (data parallelism spans slices)"
+            )
+        ici = (shape[0] // num_slices, *shape[1:])
+        grid = mesh_utils.create_hybrid_device_mesh(
+            ici, (num_slices, 1, 1), devices, allow_split_physical_axes=True
+        )
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+# ----------------------------------------------------------------------------------------------
+# Which meshes can shard a model, and the one the automatic layout picks
+
+ParamAxes = Mapping[str, tuple[tuple[int, ...], tuple[str | None, ...]]]  # name -> (shape, axes)
+
+
+def param_axes(boxed: PyTree) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
+    """{"a/b/kernel": (shape, logical axis names)} of a boxed (logical-axis annotated) params
+    tree, abstract or not."""
+    import flax.linen as nn
+
+    out = {}
+    leaves = jax.tree_util.tree_leaves_with_path(
+        boxed, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata)
+    )
+    for path, leaf in leaves:
+        name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        value = leaf.value if isinstance(leaf, nn.meta.AxisMetadata) else leaf
+        names = tuple(leaf.names) if isinstance(leaf, nn.Partitioned) else (None,) * value.ndim
+        out[name] = (tuple(value.shape), names)
+    return out
+
+
+def _mesh_axes_of(logical: str | None) -> tuple[str, ...]:
+    for name, target in LOGICAL_AXIS_RULES:
+        if name == logical:
+            return () if target is None else (target,) if isinstance(target, str) else target
+    return ()
+
+
+def unshardable(params: ParamAxes, mesh_shape: Sequence[int]) -> list[str]:
+    """Why `mesh_shape` (data, fsdp, tensor) cannot shard these params evenly: one line per
+    parameter dimension whose size its mesh axes do not divide (empty: it can)."""
+    sizes = dict(zip(MESH_AXES, mesh_shape, strict=True))
+    problems = []
+    for name, (shape, names) in params.items():
+        for dim, (size, logical) in enumerate(zip(shape, names, strict=True)):
+            axes = _mesh_axes_of(logical)
+            split = int(np.prod([sizes[a] for a in axes])) if axes else 1
+            if size % split:
+                where = "×".join(f"{a}={sizes[a]}" for a in axes)
+                problems.append(
+                    f"{name} dimension {dim} ({logical}, size {size}) is not divisible by "
+                    f"mesh axis {where}"
+                )
+    return problems
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def choose_mesh_shape(
+    params: ParamAxes,
+    num_devices: int,
+    batch_rows: int,
+    state_bytes_per_param: float,
+    hbm_bytes: float | None,
+) -> tuple[tuple[int, int, int], str]:
+    """The automatic (data, fsdp, tensor) layout of a model on `num_devices` devices, and why.
+
+    The least model parallelism that works: tensor parallelism only as far as the batch
+    (`batch_rows`, split over data × fsdp) or the parameters' divisibility need; FSDP only as
+    far as memory needs: the training state (`state_bytes_per_param` a parameter: weights,
+    gradients, optimizer moments) may take a quarter of `hbm_bytes` per device, the rest is
+    left to activations (None: no limit known, e.g. a CPU host). Every sharded dimension must
+    split evenly (`unshardable`).
+
+    Raises:
+      ValueError: no layout of `num_devices` shards this model and batch.
+    """
+    total = sum(int(np.prod(shape)) for shape, _ in params.values())
+    budget = None if hbm_bytes is None else hbm_bytes / 4
+    fallback = None
+    for tensor in _divisors(num_devices):
+        if batch_rows % (num_devices // tensor):
+            continue
+        for fsdp in _divisors(num_devices // tensor):
+            shape = (num_devices // tensor // fsdp, fsdp, tensor)
+            if unshardable(params, shape):
+                continue
+            per_device = total * state_bytes_per_param / (fsdp * tensor)
+            why = (
+                f"auto mesh (data, fsdp, tensor)={shape}: training state "
+                f"{per_device / 2**30:.2f} GiB a device"
+            )
+            if budget is None or per_device <= budget:
+                limit = "" if budget is None else f" <= 1/4 of {hbm_bytes / 2**30:.2f} GiB HBM"
+                return shape, why + limit
+            if fallback is None or per_device < fallback[2]:  # the least state a device
+                fallback = (shape, why + f" > 1/4 of {hbm_bytes / 2**30:.2f} GiB HBM even "
+                            "at the most sharding that divides the model", per_device)  # fmt: skip
+    if fallback is not None:
+        return fallback[0], fallback[1]
+    raise ValueError(
+        f"no (data, fsdp, tensor) layout of {num_devices} devices splits a batch of "
+        f"{batch_rows} rows and shards every parameter evenly; change batch_size or the slice"
+    )
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of a [B, ...] input batch: B split over (data, fsdp)."""
     return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))

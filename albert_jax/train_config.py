@@ -8,14 +8,15 @@ minutes compiling before it fails.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from absl import logging
 
-from albert_jax import files, optim
+from albert_jax import files, optim, sharding
 from albert_jax.config import ModelConfig, model_config_from
-from albert_jax.sharding import resolve_mesh_shape
 
 PyTree = Any
 
@@ -34,7 +35,7 @@ KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
         "max_ngram", "num_workers", "eval_split", "tokenizer_max_sentences",
         "sop_single_segment", "num_shards",
     ),
-    "mesh": ("data", "fsdp", "tensor"),
+    "mesh": ("data", "fsdp", "tensor", "auto"),
     "debug": ("sigterm_after_step", "sigkill_after_save_at_step", "nan_at_step"),
 }  # fmt: skip
 OBJECTIVES = ("sop", "nsp", "none")
@@ -64,8 +65,11 @@ class RunLayout:
     devices: tuple[Any, ...]
 
 
-def validate_config(config: Any) -> RunLayout:
-    """Checks a pretraining config against itself and the devices; nothing is compiled.
+def validate_config(
+    config: Any, devices: Sequence[Any] | None = None, processes: int | None = None
+) -> RunLayout:
+    """Checks a pretraining config against itself and the devices (default: this job's;
+    `albert_jax.plan` passes a TPU slice's and its host count); nothing is compiled.
 
     Raises:
       ValueError naming the field and the fix: unknown fields, bad model fields, seq_len >
@@ -113,19 +117,20 @@ def validate_config(config: Any) -> RunLayout:
             f"config.max_predictions_per_seq={config.max_predictions_per_seq} exceeds "
             f"config.seq_len={seq_len}: lower it (the paper uses 20 at seq_len 512)"
         )
-    mesh_shape, devices = mesh_layout(config)
+    processes = jax.process_count() if processes is None else processes
+    micro = config.microbatches
+    if batch % (processes * micro):
+        raise ValueError(
+            f"config.batch_size={batch} is not divisible by process_count×microbatches="
+            f"{processes}×{micro}: use a multiple of {processes * micro}"
+        )
+    mesh_shape, devices = mesh_layout(config, model_config, devices)
     dp = mesh_shape[0] * mesh_shape[1]
-    processes, micro = jax.process_count(), config.microbatches
     if batch % dp:
         raise ValueError(
             f"config.batch_size={batch} is not divisible by the data-parallel size "
             f"data×fsdp={mesh_shape[0]}×{mesh_shape[1]}={dp}: use a multiple of {dp} "
             "or change config.mesh"
-        )
-    if batch % (processes * micro):
-        raise ValueError(
-            f"config.batch_size={batch} is not divisible by process_count×microbatches="
-            f"{processes}×{micro}: use a multiple of {processes * micro}"
         )
     if (batch // micro) % dp:
         raise ValueError(
@@ -150,27 +155,77 @@ def validate_config(config: Any) -> RunLayout:
     return RunLayout(model_config, mesh_shape, devices)
 
 
-def mesh_layout(config: Any) -> tuple[tuple[int, int, int], tuple[Any, ...]]:
-    """(mesh shape, devices) of `config.mesh`: every device of the job, always.
+def mesh_layout(
+    config: Any,
+    model_config: ModelConfig | None = None,
+    devices: Sequence[Any] | None = None,
+) -> tuple[tuple[int, int, int], tuple[Any, ...]]:
+    """(mesh shape, devices) of `config.mesh` over `devices` (default: every device of the
+    job): the explicit (data, fsdp, tensor) sizes, or with `config.mesh.auto` the layout
+    `sharding.choose_mesh_shape` picks for `model_config` and the batch (logged).
 
     Raises:
       ValueError: naming `config.mesh` and the device count when the shape does not cover
         every device (a smaller mesh would leave devices idle while the log and MFU count
-        them all).
+        them all), or a parameter dimension and mesh axis that do not divide.
     """
+    devices = tuple(jax.devices() if devices is None else devices)
+    if config_field(config, "mesh.auto", False):
+        if model_config is None:
+            raise ValueError("config.mesh.auto=True needs the model config to choose a layout")
+        params = model_param_axes(model_config)
+        resolved, why = sharding.choose_mesh_shape(
+            params,
+            len(devices),
+            int(config.batch_size) // int(config_field(config, "microbatches", 1)),
+            state_bytes_per_param=4 * jnp.dtype(model_config.param_dtype).itemsize,
+            hbm_bytes=device_hbm_bytes(devices[0]),
+        )
+        logging.info("%s", why)
+        return resolved, devices
     shape = tuple(
         int(config_field(config, f"mesh.{axis}", 1)) for axis in ("data", "fsdp", "tensor")
     )
-    devices = jax.devices()
     try:
-        resolved = resolve_mesh_shape(shape, len(devices))
+        resolved = sharding.resolve_mesh_shape(shape, len(devices))
     except ValueError as e:
         raise ValueError(
             f"config.mesh (data, fsdp, tensor)={shape} does not fit the {len(devices)} devices "
             f"of this job ({e}); every device must be in the mesh: set one axis to -1 to fill "
-            "it, e.g. --config.mesh.data=-1"
+            "it, e.g. --config.mesh.data=-1, or --config.mesh.auto=True"
         ) from None
-    return resolved, tuple(devices)  # type: ignore[return-value]
+    if model_config is not None:
+        problems = sharding.unshardable(model_param_axes(model_config), resolved)
+        if problems:
+            raise ValueError(
+                f"config.mesh (data, fsdp, tensor)={resolved} cannot shard the model: "
+                f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1
+                                    else "") + "; choose sizes that divide it or set "
+                "--config.mesh.auto=True"
+            )  # fmt: skip
+    return resolved, devices  # type: ignore[return-value]
+
+
+def model_param_axes(model_config: ModelConfig) -> sharding.ParamAxes:
+    """(shape, logical axes) of every parameter of the pretraining model (abstract: nothing
+    is allocated); what mesh layouts are checked against."""
+    from albert_jax.model import AlbertForPreTraining, init_params
+
+    model = AlbertForPreTraining(model_config)
+    boxed = jax.eval_shape(lambda: init_params(model, jax.random.key(0))["params"])
+    return sharding.param_axes(boxed)
+
+
+def device_hbm_bytes(device: Any) -> float | None:
+    """Memory one accelerator device may use (its runtime's `bytes_limit`); None on a CPU or
+    where the runtime does not say."""
+    if device.platform == "cpu":
+        return None
+    try:
+        stats = device.memory_stats()
+    except Exception:  # compile-only devices and some runtimes have none
+        return None
+    return float(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
 def write_run_config(config: Any, workdir: str) -> None:

@@ -32,7 +32,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from albert_jax import optim, trees
-from albert_jax.sharding import LOGICAL_AXIS_RULES
+from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding
 
 PyTree = Any
 SEED_AXIS = "seeds"  # logical axis of the leading seed axis (replicated: see LOGICAL_AXIS_RULES)
@@ -86,10 +86,12 @@ def create_state(objective: Any, mesh: Mesh, seed: int, num_seeds: int = 1) -> S
     N > 1 `num_seeds`: every array with a leading seed axis [N, ...].
 
     Must run under `jax.set_mesh(mesh)` and `nn.logical_axis_rules(LOGICAL_AXIS_RULES)`.
+    Abstract until `initialize` is called: nothing runs on a device here (not even the key),
+    so the layout can be made for devices this process cannot run on (`albert_jax.plan`'s
+    TPU slice compiled from a CPU machine).
     """
-    rng = seed_keys(seed, num_seeds)
     init_variables = _per_seed(objective.init_variables, num_seeds)
-    boxed = jax.eval_shape(init_variables, rng)
+    boxed = jax.eval_shape(lambda: init_variables(seed_keys(seed, num_seeds)))
     if num_seeds > 1:
         boxed = _with_seed_axis(boxed)
     param_shardings = nn.logical_to_mesh_sharding(
@@ -106,14 +108,17 @@ def create_state(objective: Any, mesh: Mesh, seed: int, num_seeds: int = 1) -> S
     abstract_opt = jax.eval_shape(init_opt, abstract_params)
     replicated = NamedSharding(mesh, PartitionSpec())
     # Moments follow their parameter's sharding; counters and hyperparameters are replicated.
-    opt_shardings = optax.tree_map_params(
-        tx,
-        lambda _, sharding: sharding,
-        abstract_opt,
-        param_shardings,
-        transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, NamedSharding),
-    )
+    # Outside the mesh: optax finds the moments by running `tx.init` on placeholders, with
+    # concrete scalars that the mesh's devices (perhaps a TPU slice being planned) cannot run.
+    with jax.set_mesh(None):
+        opt_shardings = optax.tree_map_params(
+            tx,
+            lambda _, sharding: sharding,
+            abstract_opt,
+            param_shardings,
+            transform_non_params=lambda _: replicated,
+            is_leaf=lambda x: isinstance(x, NamedSharding),
+        )
     shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
     abstract = TrainState(
         step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt
@@ -140,7 +145,9 @@ def create_state(objective: Any, mesh: Mesh, seed: int, num_seeds: int = 1) -> S
         fresh = {}
         if missing:
             out_shardings = {k: flat_shardings[k] for k in missing}
-            fresh = jax.jit(_per_seed(init_missing, num_seeds), out_shardings=out_shardings)(rng)
+            init_fn = _per_seed(init_missing, num_seeds)
+            fresh = jax.jit(lambda: init_fn(seed_keys(seed, num_seeds)),
+                            out_shardings=out_shardings)()  # fmt: skip
         placed = {k: fresh[k] if k in fresh else place(k) for k in flat_abstract}
         params = jax.tree.map(lambda _, x: x, abstract_params, trees.unflatten(placed))
         opt_state = jax.jit(init_opt, out_shardings=opt_shardings)(params)
@@ -199,6 +206,25 @@ def make_step(
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
+
+
+def jit_step(objective: Any, layout: StateLayout, mesh: Mesh, seed: int) -> Callable:
+    """The jitted update of `objective` as every run compiles it (`loop.Loop`, and
+    `albert_jax.plan` for a TPU slice): the state in its layout's shardings and donated, the
+    batch split over (data, fsdp), the metrics replicated."""
+    step = make_step(
+        objective.loss,
+        layout.tx,
+        microbatches=objective.microbatches,
+        seed=seed,
+        num_seeds=objective.num_seeds,
+    )
+    return jax.jit(
+        step,
+        in_shardings=(layout.shardings, batch_sharding(mesh)),
+        out_shardings=(layout.shardings, NamedSharding(mesh, PartitionSpec())),
+        donate_argnums=0,
+    )
 
 
 def seed_metrics(metrics: Mapping[str, jax.Array], seed: int) -> dict[str, jax.Array]:

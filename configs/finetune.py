@@ -123,6 +123,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.mesh.data = -1  # data-parallel replicas
     c.mesh.fsdp = 1  # parameter/optimizer sharding
     c.mesh.tensor = 1  # tensor parallel (heads, mlp, vocab)
+    # True: data / fsdp / tensor chosen for the devices and the model (the least model
+    # parallelism that divides every sharded dimension and leaves HBM for activations; logged)
+    c.mesh.auto = False
 
     # --- loop
     c.seed = 0  # head init, dropout and data order

@@ -57,7 +57,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # "dots" saves matmul outputs and recomputes the cheap elementwise ops (GELU, softmax,
     # LayerNorm): 0.42x the temporaries of "none" (base, seq 512) and a faster step, since the
     # scan no longer stacks every elementwise intermediate. "full" is the memory lever.
-    c.model.remat_policy = "dots"
+    # xxlarge: "full", the least recomputation its float32 step fits with at the paper's
+    # 4096 x 512 on a v3-512 (the TPU compiler: `python -m albert_jax.plan`, docs/tpu_plans.md).
+    c.model.remat_policy = "full" if arg.size == "xxlarge" else "dots"
     c.model.scan_layers = True  # nn.scan over layers (compile time independent of depth)
     c.model.attention_impl = "xla"  # xla (einsums) | dot_product (JAX picks) | cudnn (GPU)
     # The official config's remaining fields, so that every one can be set on the command line.
@@ -123,6 +125,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.mesh.data = data  # data-parallel replicas
     c.mesh.fsdp = fsdp  # parameter/optimizer sharding (the batch is split over it too)
     c.mesh.tensor = tensor  # tensor parallel (heads, mlp, vocab)
+    # True: data / fsdp / tensor chosen for the devices and the model (the least model
+    # parallelism that divides every sharded dimension and leaves HBM for activations; logged)
+    c.mesh.auto = False
 
     # --- loop
     c.seed = 0  # params init and data order

@@ -87,7 +87,7 @@ def test_even_lengths_keep_the_attention_and_its_gradients(rows, keys):
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the GPU has the kernel")
 def test_cudnn_without_a_gpu_names_the_field():
     cfg = tiny(attention_impl="cudnn")
-    with pytest.raises(ValueError, match=r"model.attention_impl='cudnn' needs a GPU; this backend"):
+    with pytest.raises(ValueError, match=r"model.attention_impl='cudnn' needs a GPU; the target"):
         jax.eval_shape(lambda: init(cfg))  # traced, nothing compiled
 
 

@@ -88,6 +88,13 @@ class TaskKind(abc.ABC):
         """The task model (heads.py) with the config's head settings (`classifier_dropout`,
         `start_n_top`, ...)."""
 
+    def batch_shapes(self, rows: int, seq_len: int, spec: TaskSpec) -> dict[str, Any]:
+        """{name: (shape, dtype)} of a training batch's `model_inputs`, unpacked, as
+        `featurize` makes them: [rows, seq_len] for `sequence_inputs`, [rows] for the rest."""
+        del spec
+        return {k: ((rows, seq_len) if k in self.sequence_inputs else (rows,), np.int32)
+                for k in self.model_inputs}  # fmt: skip
+
     def head_inputs(self, batch: Batch, *, train: bool) -> dict[str, Any]:
         """Keyword inputs of the head beyond the encoder inputs (none by default)."""
         del batch, train
@@ -225,6 +232,10 @@ class Regression(Classification):
 
     name = "regression"
 
+    def batch_shapes(self, rows: int, seq_len: int, spec: TaskSpec) -> dict[str, Any]:
+        """Classification's, with the label a float32 score."""
+        return {**super().batch_shapes(rows, seq_len, spec), "label": ((rows,), np.float32)}
+
     def loss(
         self, outputs: Mapping[str, jax.Array], batch: Batch
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -266,6 +277,13 @@ class MultipleChoice(TaskKind):
     def head_inputs(self, batch: Batch, *, train: bool) -> dict[str, Any]:
         """option_mask [B,C] (1 real option, 0 padding)."""
         return {"option_mask": batch["option_mask"]}
+
+    def batch_shapes(self, rows: int, seq_len: int, spec: TaskSpec) -> dict[str, Any]:
+        """Encoder inputs [rows, C, seq_len] and option_mask [rows, C] for C =
+        `spec.num_labels` options; label [rows]."""
+        C = spec.num_labels
+        shapes = {k: ((rows, C, seq_len), np.int32) for k in _ENCODER_INPUTS}
+        return {**shapes, "option_mask": ((rows, C), np.int32), "label": ((rows,), np.int32)}
 
     # The loss and metrics of classification, over options instead of classes.
     loss = Classification.loss

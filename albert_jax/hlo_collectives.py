@@ -1,0 +1,168 @@
+"""Collectives of a compiled (optimized) HLO module: by kind, inside a slice and across slices,
+with how many run a step and their bytes.
+
+What the text looks like, and why each rule below:
+- Async collectives come as `-start` / `-done` pairs: the `-start` is counted, once per
+  `channel_id` inside a computation (fusions repeat the same channel).
+- A collective inside a `while` body (the scanned layers, when the compiler keeps the loop)
+  runs once an iteration: its computation's count is multiplied by the loop's
+  `known_trip_count`, down the call graph from ENTRY.
+- The TPU compiler writes a reduce-scatter as an `all-reduce` + `dynamic-slice` inside a
+  computation named `all-reduce-scatter*`: counted as `reduce-scatter`.
+- Across slices (multi-slice, over the data-center network) there is no `all-reduce`: each
+  transfer is a `send` / `recv` pair to the megascale runtime, its operation in
+  `_xla_megascale_transfer_type` (`ALL_REDUCE`, `ALL_GATHER`); the `send`s are counted.
+- Bytes are per device and per run of the collective: the buffer reduced (all-reduce,
+  reduce-scatter: its input), gathered (all-gather: its output) or moved (the rest).
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from typing import Any
+
+_DTYPE_BYTES = {
+    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b(pred|[su](?:4|8|16|32|64)|f16|bf16|f32|f64|c64|c128|f8\w*)\[([\d,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
+_CALLS = re.compile(r"\b(calls|to_apply|body|condition|branch_computations|called_computations)"
+                    r"=\{?([^}\s]*(?:,\s*%[\w.\-]+)*)\}?")  # fmt: skip
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+         "ragged-all-to-all")  # fmt: skip
+
+
+def _bytes(shape_text: str) -> list[float]:
+    """Bytes of each array in an HLO shape (a tuple gives several)."""
+    out = []
+    for dtype, dims in _ARRAY.findall(shape_text):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        out.append(n * _DTYPE_BYTES.get(dtype, 1))
+    return out
+
+
+def _group_size(rest: str) -> int:
+    """Devices in one replica group of a collective (the three forms XLA prints)."""
+    explicit = re.search(r"replica_groups=\{\{([\d,]*)\}", rest)
+    if explicit:
+        return len(explicit.group(1).split(","))
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", rest)
+    if iota:
+        return int(iota.group(2))
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", rest)
+    if mesh:
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
+        n = 1
+        for axis in re.findall(r"'(\w+)'", mesh.group(2)):
+            n *= int(sizes.get(axis, 1))
+        return n
+    return 1
+
+
+def _parse(text: str) -> tuple[str | None, dict[str, list[tuple[str, str, str, str]]]]:
+    """(entry computation, {computation: [(name, shape, op, rest)]})."""
+    computations: dict[str, list[tuple[str, str, str, str]]] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        header = _HEADER.match(line)
+        if header and not line.startswith(" "):
+            current = header.group(2)
+            computations[current] = []
+            if header.group(1):
+                entry = current
+            continue
+        if current is None:
+            continue
+        match = _INSTRUCTION.match(line)
+        if match:
+            computations[current].append(match.groups())  # type: ignore[arg-type]
+    return entry, computations
+
+
+def _trip_count(rest: str, computations: dict[str, list[Any]]) -> int:
+    """Iterations of a `while`: its `known_trip_count`, else the bound N of a condition
+    `i < N` on a constant (what the TPU compiler leaves of a `lax.scan` / `fori_loop`),
+    else 1."""
+    found = _TRIP.search(rest)
+    if found:
+        return int(found.group(1))
+    condition = re.search(r"\bcondition=%([\w.\-]+)", rest)
+    body = computations.get(condition.group(1), []) if condition else []
+    constants = {name: r for name, _, op, r in body if op == "constant"}
+    for _, _, op, r in body:
+        if op == "compare" and "direction=LT" in r:
+            for operand in re.findall(r"%([\w.\-]+)", r.split(")")[0]):
+                value = re.match(r"\s*(\d+)\)", constants.get(operand, ""))
+                if value:
+                    return int(value.group(1))
+    return 1
+
+
+def _multiplicities(entry: str | None, computations: dict[str, list[Any]]) -> dict[str, int]:
+    """Runs a step of each computation reachable from ENTRY (while bodies × trip count)."""
+    runs: dict[str, int] = collections.defaultdict(int)
+    if entry is None:
+        return {name: 1 for name in computations}
+
+    def visit(name: str, times: int, depth: int = 0) -> None:
+        if name not in computations or depth > 64:
+            return
+        runs[name] += times
+        for _, _, op, rest in computations[name]:
+            trip = _trip_count(rest, computations) if op == "while" else 1
+            for key, targets in _CALLS.findall(rest):
+                for target in re.findall(r"%([\w.\-]+)", targets):
+                    visit(target, times * (trip if key in ("body", "condition") else 1),
+                          depth + 1)  # fmt: skip
+
+    visit(entry, 1)
+    return runs
+
+
+def summarize(text: str) -> dict[str, dict[str, dict[str, float]]]:
+    """{"within_slice": {kind: {"count", "bytes"}}, "cross_slice": {...}} a step, per device,
+    of an optimized HLO module's text (`compiled.as_text()`)."""
+    entry, computations = _parse(text)
+    runs = _multiplicities(entry, computations)
+    out: dict[str, dict[str, dict[str, float]]] = {"within_slice": {}, "cross_slice": {}}
+    for comp, instructions in computations.items():
+        times = runs.get(comp, 0)
+        if not times:
+            continue
+        seen: set[str] = set()
+        for _, shape, op, rest in instructions:
+            base = op.removesuffix("-start")
+            channel = _CHANNEL.search(rest)
+            if base == "send" and _MEGASCALE.search(rest):
+                where, kind = "cross_slice", _MEGASCALE.search(rest).group(1).lower()
+                kind = kind.replace("_", "-")
+                size = (_bytes(shape) or [0])[0]  # (buffer, u32[], token[])
+            elif base in KINDS and not op.endswith("-done"):
+                where, kind = "within_slice", base
+                arrays = _bytes(shape)
+                if op.endswith("-start") and len(arrays) > 1:  # (operands..., results...)
+                    arrays = arrays[len(arrays) // 2 :]
+                size = sum(arrays)
+                if base == "all-reduce" and comp.startswith("all-reduce-scatter"):
+                    kind = "reduce-scatter"
+                elif base == "reduce-scatter":
+                    size *= _group_size(rest)  # its input: the output times the group
+            else:
+                continue
+            key = f"{kind}/{channel.group(1)}" if channel else None
+            if key is not None:
+                if key in seen:
+                    continue
+                seen.add(key)
+            entry_ = out[where].setdefault(kind, {"count": 0, "bytes": 0})
+            entry_["count"] += times
+            entry_["bytes"] += times * size
+    return out

@@ -1,0 +1,379 @@
+"""`python -m albert_jax.plan`: the step a TPU pod would run, compiled by the TPU compiler on
+any machine, and whether it fits.
+
+    python -m albert_jax.plan --config=configs/pretrain.py:size=xxlarge --tpu=v3-512 --json
+
+It builds what the loop builds for that slice — the objective's model, loss and optimizer, the
+state's shardings from the logical-axis rules, the mesh (`config.mesh`, explicit or auto), the
+jitted step with the state donated (`train_state.jit_step`) — on abstract inputs
+(`jax.ShapeDtypeStruct`s: nothing is allocated), over compile-only devices of the slice
+(`tpu_slices`), and compiles it with libtpu. Per device (a TensorCore on v2 / v3, a chip
+after): parameters, optimizer state, batch, temporaries and their total against the HBM the
+compiler lets a device use, and the verdict: the compiler itself refuses a program that does
+not fit (CompileTimeHbmOom, its message kept). Beside it: collectives by kind inside a slice
+and across slices with their bytes a step (`hlo_collectives`), the model FLOPs a device and
+the time they take at the chip's peak bf16 rate (a lower bound on the step, not a step time),
+and the compile time.
+
+`--max_batch` searches, for each remat policy, the largest global batch that fits.
+The traced step takes the target's branches (`layers.target_platform()` reads the mesh), so
+a CPU machine gets exactly the pod's program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+import re
+import time
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from albert_jax import flops as flops_lib
+from albert_jax import hlo_collectives, tpu_slices, train_state
+from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, slice_mesh
+
+GiB = 2**30
+# Least recomputation first: what `--max_batch` and the docs table walk through.
+REMAT_ORDER = ("none", "dots", "dots_no_batch", "minimal", "save_attention_out", "full")
+_OOM = re.compile(r"RESOURCE_EXHAUSTED|CompileTimeHbmOom|Ran out of memory", re.IGNORECASE)
+
+
+@dataclasses.dataclass
+class Target:
+    """What the plan compiles for: `num_slices` slices of `spec`, their devices and hosts."""
+
+    spec: tpu_slices.SliceSpec
+    num_slices: int
+    devices: list[Any]
+
+    @property
+    def processes(self) -> int:
+        """Hosts of the job: 4 chips a host (one chip: one host), every slice alike."""
+        return max(self.spec.chips // 4, 1) * self.num_slices
+
+
+def make_target(tpu: str, num_slices: int = 1) -> Target:
+    if num_slices < 1:
+        raise ValueError(f"--num_slices={num_slices} must be >= 1")
+    spec = tpu_slices.slice_spec(tpu)
+    return Target(spec, num_slices, tpu_slices.target_devices(spec, num_slices))
+
+
+# ----------------------------------------------------------------------------------------------
+# The objective and batch of a config, as the loop would build them
+
+
+def _pretraining(config: Any, target: Target) -> tuple[Any, Any, dict[str, Any], float]:
+    """(objective, mesh, abstract batch spec {name: (shape, dtype)}, model FLOPs a step)."""
+    from albert_jax.model import AlbertForPreTraining
+    from albert_jax.train_config import validate_config
+    from albert_jax.train_step import PretrainingModel, train_step_flops
+
+    layout = validate_config(config, devices=target.devices, processes=target.processes)
+    mesh = slice_mesh(layout.mesh_shape, target.devices, target.num_slices)
+    model = AlbertForPreTraining(layout.model_config)
+    B, S, P = config.batch_size, config.seq_len, config.max_predictions_per_seq
+    batch = {
+        "input_ids": ((B, S), jnp.int32),
+        "segment_ids": ((B, S), jnp.int32),
+        "input_mask": ((B, S), jnp.int32),
+        "masked_lm_positions": ((B, P), jnp.int32),
+        "masked_lm_ids": ((B, P), jnp.int32),
+        "masked_lm_weights": ((B, P), jnp.float32),
+        "sentence_order_label": ((B,), jnp.int32),
+    }
+    flops = train_step_flops(layout.model_config, B, S, P)
+    return PretrainingModel(config, model, mesh), mesh, batch, flops
+
+
+def _fine_tuning(config: Any, target: Target) -> tuple[Any, Any, dict[str, Any], float]:
+    """A fine-tuning config's task model from the config alone: the `size` preset with
+    `config.model` (a checkpoint's config is not read), unpacked batches of `batch_size` rows a
+    seed at `max_seq_length`, the schedule over `num_train_steps`."""
+    from albert_jax import finetune_config
+    from albert_jax.config import ModelConfig
+    from albert_jax.task_model import TaskModel
+    from albert_jax.tasks.kinds import get_kind
+    from albert_jax.train_config import mesh_layout
+
+    task = finetune_config.validate_config(config)
+    model_config = finetune_config.model_config(
+        config, None, ModelConfig.preset(config.size).vocab_size
+    )
+    kind = get_kind(task.kind)
+    rows = int(config.batch_size) * int(config.num_seeds)
+    shapes, _ = mesh_layout(config, model_config, target.devices)
+    finetune_config.check_batch_split("batch_size", rows, shapes[0] * shapes[1], target.processes)
+    mesh = slice_mesh(shapes, target.devices, target.num_slices)
+    batch = kind.batch_shapes(rows, int(config.max_seq_length), task)
+    model = kind.build_model(model_config, task, config)
+    objective = TaskModel.for_plan(config, kind, model, batch, shapes[0] * shapes[1])
+    options = task.num_labels if task.kind == "multiple_choice" else 1  # a sequence each
+    S = int(config.max_seq_length)
+    flops = flops_lib.train_flops_per_step(model_config, rows * options, S, 0,
+                                           last_layer_positions=S)  # fmt: skip
+    return objective, mesh, batch, flops
+
+
+def _shard_bytes(tree: Any) -> int:
+    """Bytes of one device's shard of every array in `tree` (ShapeDtypeStructs with shardings)."""
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape)
+        total += int(np.prod(shape)) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _gib(n: float) -> float:
+    return round(n / GiB, 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan
+
+
+def plan(config: Any, target: Target) -> dict[str, Any]:
+    """Compiles `config`'s training step for `target`; the report (see the module docstring).
+    A config that cannot be laid out on the slice raises ValueError before compiling."""
+    config = config.copy_and_resolve_references()
+    build = _fine_tuning if "task" in config else _pretraining
+    objective, mesh, batch_spec, model_flops = build(config, target)
+    spec = target.spec
+    with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
+        layout = train_state.create_state(objective, mesh, int(config.seed), objective.num_seeds)
+        state = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            layout.abstract,
+            layout.shardings,
+        )
+        sharding = batch_sharding(mesh)
+        batch = {k: jax.ShapeDtypeStruct(s, d, sharding=sharding) for k, (s, d) in
+                 batch_spec.items()}  # fmt: skip
+        step = train_state.jit_step(objective, layout, mesh, int(config.seed))
+        start = time.perf_counter()
+        error, compiled = None, None
+        try:
+            compiled = step.lower(state, batch).compile()
+        except Exception as e:  # the compiler's verdict on memory; anything else is a bug
+            if not _OOM.search(str(e)):
+                raise
+            error = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+        seconds = time.perf_counter() - start
+    devices = target.num_slices * spec.num_devices
+    flops_per_device = model_flops / devices
+    peak_bound = flops_per_device / spec.peak_bf16_per_device
+    report: dict[str, Any] = {
+        "tpu": spec.name,
+        "num_slices": target.num_slices,
+        "topology": spec.topology_name,
+        "devices": devices,
+        "processes": target.processes,
+        "model": config.get("size", ""),
+        "global_batch": int(config.batch_size),
+        "seq_len": int(config.get("seq_len", config.get("max_seq_length", 0))),
+        "dtype": str(config.model.get("dtype") or "float32"),
+        "remat_policy": str(config.model.get("remat_policy") or "none"),
+        "mesh": dict(zip(mesh.axis_names, (int(n) for n in mesh.devices.shape), strict=True)),
+        "mesh_auto": bool(config.mesh.get("auto", False)),
+        "hbm_per_device_gib": round(spec.hbm_gib_per_device, 2),
+        "usable_hbm_gib": spec.usable_hbm_gib,
+        "params_gib": _gib(_shard_bytes(state.params)),
+        "opt_state_gib": _gib(_shard_bytes(state.opt_state)),
+        "batch_gib": _gib(_shard_bytes(batch)),
+        "flops_per_device": flops_per_device,
+        "peak_bf16_per_device": spec.peak_bf16_per_device,
+        # Model FLOPs at the chip's peak: no step can be faster (not a step-time estimate).
+        "peak_bound_s": round(peak_bound, 6),
+        "peak_bound_run_h": round(peak_bound * _steps(config) / 3600, 2),
+        "compile_s": round(seconds, 1),
+        "jax": jax.__version__,
+        "libtpu": importlib.metadata.version("libtpu"),
+    }
+    if compiled is None:
+        report.update(fits=False, error=error, temporaries_gib=_temporaries_of(error),
+                      collectives=None)  # fmt: skip
+        return report
+    stats = compiled.memory_analysis()
+    total = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+             - stats.alias_size_in_bytes + stats.temp_size_in_bytes)  # fmt: skip
+    report.update(
+        temporaries_gib=_gib(stats.temp_size_in_bytes),
+        arguments_gib=_gib(stats.argument_size_in_bytes),
+        outputs_not_aliased_gib=_gib(stats.output_size_in_bytes - stats.alias_size_in_bytes),
+        code_gib=_gib(stats.generated_code_size_in_bytes),
+        total_gib=_gib(total),
+        headroom_gib=round(spec.usable_hbm_gib - total / GiB, 4),
+        fits=total / GiB <= spec.usable_hbm_gib,
+        collectives=hlo_collectives.summarize(compiled.as_text()),
+        compiler_flops_per_device=float((compiled.cost_analysis() or {}).get("flops", 0.0)),
+    )
+    return report
+
+
+def _steps(config: Any) -> int:
+    return int(config.get("num_train_steps", 0) or 0)
+
+
+def _temporaries_of(error: str | None) -> float | None:
+    """GiB of HLO temporaries a CompileTimeHbmOom message names (None if it names none)."""
+    match = re.search(r"HLO temporaries \(([\d.]+)([KMGT])\)", error or "")
+    if not match:
+        return None
+    scale = {"K": 2**-20, "M": 2**-10, "G": 1.0, "T": 1024.0}[match.group(2)]
+    return round(float(match.group(1)) * scale, 4)
+
+
+def with_overrides(config: Any, **fields: Any) -> Any:
+    """A copy of `config` with dotted fields set ("model.remat_policy": "full")."""
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+        for dotted, value in fields.items():
+            node = config
+            *parents, last = dotted.split(".")
+            for part in parents:
+                node = node[part]
+            node[last] = value
+    return config
+
+
+def max_batch(config: Any, target: Target, remat: str) -> dict[str, Any]:
+    """The largest global batch that fits with `remat`, a multiple of the rows a step splits
+    over (data × fsdp × microbatches of the config's mesh). Memory grows about linearly with
+    the batch, so each next try is where the line through the last two measured totals (or the
+    temporaries an OOM names) meets the usable HBM, kept strictly between the largest batch
+    that fits and the smallest that does not: a few compiles, not a bisection's many.
+    {"remat", "max_batch" (0: not even one row a device fits), "plan": the report at it}."""
+    base = with_overrides(config, **{"model.remat_policy": remat})
+    _, mesh, _, _ = (_fine_tuning if "task" in base else _pretraining)(base, target)
+    unit = int(mesh.shape["data"] * mesh.shape["fsdp"]) * int(base.get("microbatches", 1))
+    usable = target.spec.usable_hbm_gib
+    points: list[tuple[int, float]] = []  # (rows, GiB needed)
+    lo, hi, best = 0, None, None
+    rows = unit
+    for _ in range(24):
+        try:
+            report = plan(with_overrides(base, batch_size=rows), target)
+        except ValueError:  # a batch the layout cannot split: treated as not fitting
+            report = {"fits": False, "temporaries_gib": None}
+        if report["fits"]:
+            lo, best = rows, report
+            points.append((rows, report["total_gib"]))
+        else:
+            hi = rows
+            if report.get("temporaries_gib") is not None and best is not None:
+                points.append((rows, report["temporaries_gib"] + best["arguments_gib"]))
+        if lo == 0 or (hi is not None and hi - lo <= unit):
+            break
+        if len(points) >= 2 and points[-1][0] != points[-2][0]:
+            (r0, m0), (r1, m1) = points[-2], points[-1]
+            slope = (m1 - m0) / (r1 - r0)
+            guess = r1 + (usable - m1) / slope if slope > 0 else 2 * lo
+        else:
+            guess = 2 * lo
+        rows = int(guess) // unit * unit
+        upper = hi - unit if hi is not None else max(rows, lo + unit)
+        rows = min(max(rows, lo + unit), upper)
+    return {"remat": remat, "max_batch": lo, "plan": best}
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line
+
+_FLAGS_DEFINED = False
+
+
+def _define_flags() -> None:
+    from absl import flags
+    from ml_collections import config_flags
+
+    global _FLAGS_DEFINED
+    if _FLAGS_DEFINED:
+        return
+    _FLAGS_DEFINED = True
+    config_flags.DEFINE_config_file(
+        "config", None, "A pretraining or fine-tuning config file with its arg and overrides."
+    )
+    flags.DEFINE_string("tpu", None, f"Cloud TPU accelerator type: {tpu_slices.valid_forms()}.")
+    flags.DEFINE_integer("num_slices", 1, "Slices joined by data parallelism (multi-slice).")
+    flags.DEFINE_bool("json", False, "Print one JSON object.")
+    flags.DEFINE_bool("max_batch", False, "Find the largest global batch that fits, per remat.")
+    flags.DEFINE_list("remat", list(REMAT_ORDER), "Remat policies --max_batch tries.")
+
+
+def _print_human(report: dict[str, Any]) -> None:
+    mesh = ", ".join(f"{k}={v}" for k, v in report["mesh"].items())
+    print(f"{report['tpu']} x{report['num_slices']} ({report['devices']} devices, "
+          f"{report['processes']} hosts) · {report['model']} batch {report['global_batch']} "
+          f"x {report['seq_len']} · {report['dtype']} · remat {report['remat_policy']} · "
+          f"mesh {mesh}")  # fmt: skip
+    print(f"  per device: params {report['params_gib']:.3f} GiB, optimizer state "
+          f"{report['opt_state_gib']:.3f}, batch {report['batch_gib']:.4f}, temporaries "
+          f"{report['temporaries_gib']} GiB")  # fmt: skip
+    if report["fits"]:
+        print(f"  FITS: {report['total_gib']:.2f} GiB of {report['usable_hbm_gib']} usable "
+              f"(headroom {report['headroom_gib']:.2f})")  # fmt: skip
+        for where, kinds in report["collectives"].items():
+            for kind, c in kinds.items():
+                print(f"  {where:11s} {kind:15s} {c['count']:5d} a step "
+                      f"{c['bytes'] / 2**20:10.1f} MiB")  # fmt: skip
+    else:
+        print(f"  DOES NOT FIT: {report.get('error') or report.get('total_gib')}")
+    print(
+        f"  model FLOPs a device {report['flops_per_device']:.3e}: at the peak bf16 rate "
+        f">= {report['peak_bound_s']:.3f} s a step (a lower bound, not a step time), "
+        f"{report['peak_bound_run_h']} h for the run; compiled in {report['compile_s']} s"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status 0: fits; 1: does not fit (the compiler's message printed); 2: a config or
+    `--tpu` that cannot be planned (the error names the field)."""
+    import json
+    import sys
+
+    from absl import app, flags
+
+    environment_for_tpu_compile()
+    _define_flags()
+    argv = flags.FLAGS(sys.argv if argv is None else argv)
+    del argv
+    FLAGS = flags.FLAGS
+    if FLAGS.config is None or FLAGS.tpu is None:
+        raise app.UsageError("--config and --tpu are required")
+    try:
+        target = make_target(FLAGS.tpu, FLAGS.num_slices)
+        if FLAGS.max_batch:
+            rows = [max_batch(FLAGS.config, target, r) for r in FLAGS.remat]
+            out: dict[str, Any] = {"tpu": FLAGS.tpu, "num_slices": FLAGS.num_slices,
+                                   "max_batch": rows}  # fmt: skip
+            fits = any(r["max_batch"] for r in rows)
+        else:
+            out = plan(FLAGS.config, target)
+            fits = out["fits"]
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if FLAGS.json:
+        print(json.dumps(out))
+    elif FLAGS.max_batch:
+        for r in out["max_batch"]:
+            print(f"remat {r['remat']:20s} max global batch {r['max_batch']}")
+    else:
+        _print_human(out)
+    return 0 if fits else 1
+
+
+def environment_for_tpu_compile() -> None:
+    """JAX on the CPU for everything but the compile (also on a TPU VM, whose chips may be
+    busy training); set before JAX starts a backend."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

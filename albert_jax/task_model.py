@@ -1,0 +1,65 @@
+"""Fine-tuning's model half for the one loop (`albert_jax.loop`): the task kind's model, its
+init, the optimizer and the loss, as `finetune.FineTuning` trains them and `albert_jax.plan`
+compiles them (for a slice, from the config alone: no data, no checkpoint read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from albert_jax import optim
+from albert_jax.finetune_config import optimizer_config
+
+PyTree = Any
+
+
+class TaskModel:
+    """The task model, its loss and optimizer (`loop.Objective`'s model half).
+
+    Reads, set by the subclass or `for_plan`: `config`, `kind` (tasks/kinds.py), `model` (its
+    head on the backbone), `init_batch` ({name: [rows, ...]} the init runs on), `total_steps`
+    (the schedule's length) and `num_seeds`.
+    """
+
+    microbatches = 1
+    config: Any
+    kind: Any
+    model: Any
+    init_batch: Mapping[str, np.ndarray]
+    total_steps: int
+    num_seeds: int
+
+    def init_variables(self, rng: jax.Array) -> PyTree:
+        return self.kind.init_variables(self.model, rng, self.init_batch)["params"]
+
+    def make_optimizer(self, boxed_params: PyTree) -> optax.GradientTransformation:
+        del boxed_params  # AdamW / LAMB with one trust ratio per array
+        return optim.make_optimizer(optimizer_config(self.config, self.total_steps))
+
+    def loss(self, params: PyTree, batch: Mapping[str, jax.Array], rng: jax.Array):
+        outputs = self.kind.apply(self.model, params, batch, train=True, rng=rng)
+        return self.kind.loss(outputs, batch)
+
+    def eval_fn(self, params: PyTree, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """The kind's outputs [B, ...]; N seeds: [B, N, ...] (rows stay the sharded axis)."""
+        predict = lambda p: self.kind.apply(self.model, p, batch, train=False)  # noqa: E731
+        return predict(params) if self.num_seeds == 1 else jax.vmap(predict, out_axes=1)(params)
+
+    @classmethod
+    def for_plan(
+        cls, config: Any, kind: Any, model: Any, batch_shapes: Mapping[str, Any], rows: int
+    ) -> TaskModel:
+        """The task model of `config` without its data: the init batch is zeros of the
+        kind's shapes ({name: (shape [B, ...], dtype)}) at `rows` rows; the schedule runs
+        `config.num_train_steps`."""
+        self = cls()
+        self.config, self.kind, self.model = config, kind, model
+        self.init_batch = {k: np.zeros((rows, *s[1:]), d) for k, (s, d) in batch_shapes.items()}
+        self.total_steps = max(int(config.num_train_steps), 1)
+        self.num_seeds = int(config.num_seeds)
+        return self

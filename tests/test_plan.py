@@ -1,0 +1,222 @@
+"""`albert_jax.plan`: the training step compiled by the real TPU compiler (libtpu, the `[tpu]`
+extra) for Cloud TPU slices that are not attached, and what it reports."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import pytest
+
+pytest.importorskip("libtpu", reason="the TPU compiler: pip install -e '.[tpu]'")
+
+from albert_jax import hlo_collectives, layers, plan, sharding, tpu_slices  # noqa: E402
+from albert_jax.train_config import model_param_axes  # noqa: E402
+from configs import finetune as finetune_configs  # noqa: E402
+from configs import pretrain  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def small(**fields):
+    """A 2-layer ALBERT (H=128) pretraining config with `fields` set (dotted names)."""
+    config = pretrain.get_config("size=tiny")
+    return plan.with_overrides(config, **fields)
+
+
+# ----------------------------------------------------------------------------------- slices
+
+
+def test_slice_names_follow_gcloud():
+    assert tpu_slices.slice_spec("v3-32").topology_name == "v3:4x4"
+    assert tpu_slices.slice_spec("v3-32").num_devices == 32  # a device per TensorCore
+    assert tpu_slices.slice_spec("v4-32").topology_name == "v4:2x2x4"
+    assert tpu_slices.slice_spec("v4-32").num_devices == 16  # a megacore device per chip
+    assert tpu_slices.slice_spec("v5p-128").topology_name == "v5:4x4x4"
+    assert tpu_slices.slice_spec("v5litepod-256").topology_name == "v5e:16x16"
+    assert tpu_slices.slice_spec("v6e-64").topology_name == "v6e:8x8"
+    assert tpu_slices.slice_spec("v3-2048").topology_name == "v3:32x32"
+    for bad in ("v3-16", "v5e-16", "tpu-v3-8", "v7-8"):
+        with pytest.raises(ValueError, match=r"valid forms: v2-N with N in \{8, 32"):
+            tpu_slices.slice_spec(bad)
+
+
+@pytest.mark.parametrize("tpu", ["v2-8", "v3-8", "v4-8", "v5litepod-4", "v5p-8", "v6e-4"])
+def test_usable_hbm_is_what_the_compiler_allows(tpu):
+    """The table's usable HBM per device is the "available HBM" of the compiler's own OOM."""
+    spec = tpu_slices.slice_spec(tpu)
+    devices = tpu_slices.target_devices(spec)
+    mesh = jax.sharding.Mesh(devices[:1], ("x",))
+    big = jax.ShapeDtypeStruct((64, 2**30), jax.numpy.float32)  # 256 GiB of temporaries
+    fn = jax.jit(lambda x: (x * 2 + 1).sum(0), in_shardings=jax.NamedSharding(mesh, jax.P()))
+    with pytest.raises(Exception, match="RESOURCE_EXHAUSTED") as error:
+        fn.lower(big).compile()
+    available = re.search(r"exceeds available HBM \(([\d.]+)G\)", str(error.value))
+    assert available is not None, str(error.value)
+    assert float(available.group(1)) == pytest.approx(spec.usable_hbm_gib, abs=0.006)
+
+
+# ----------------------------------------------------------------------------------- plans
+
+
+@pytest.mark.parametrize("tpu", ["v2-8", "v3-8", "v4-8", "v5litepod-8", "v5p-8", "v6e-8"])
+def test_one_plan_per_generation(tpu):
+    report = plan.plan(small(batch_size=64), plan.make_target(tpu))
+    spec = tpu_slices.slice_spec(tpu)
+    assert report["fits"] is True, report
+    assert report["mesh"] == {"data": spec.num_devices, "fsdp": 1, "tensor": 1}
+    assert report["usable_hbm_gib"] == spec.usable_hbm_gib
+    assert 0 < report["total_gib"] < 0.1
+    assert report["params_gib"] > 0 and report["opt_state_gib"] >= 1.9 * report["params_gib"]
+    # Data parallel: the gradients are all-reduced inside the slice, nothing crosses slices.
+    assert report["collectives"]["within_slice"]["all-reduce"]["bytes"] > 0
+    assert report["collectives"]["cross_slice"] == {}
+    assert report["peak_bound_s"] == pytest.approx(
+        report["flops_per_device"] / spec.peak_bf16_per_device, rel=1e-3, abs=1e-6
+    )
+
+
+def test_oom_verdict_is_the_compilers_with_exit_code_1():
+    command = [
+        sys.executable, "-m", "albert_jax.plan", "--config=configs/pretrain.py:size=base",
+        "--tpu=v2-8", "--config.batch_size=512", "--config.model.remat_policy=none", "--json",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["fits"] is False
+    assert "RESOURCE_EXHAUSTED" in report["error"] and "HBM" in report["error"]
+    assert report["temporaries_gib"] > report["usable_hbm_gib"]
+
+
+def test_bad_tpu_name_lists_the_valid_forms():
+    command = [sys.executable, "-m", "albert_jax.plan", "--config=configs/pretrain.py:size=tiny",
+               "--tpu=v3-7"]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--tpu='v3-7'" in done.stderr and "valid forms" in done.stderr
+
+
+def test_memory_per_device_does_not_grow_with_the_slice():
+    """One sequence per device: the same work a device, so the same temporaries on a slice 16x
+    larger (the CPU-only matmul in a TPU program made them grow with the global batch)."""
+    fields = {
+        "model.dtype": "bfloat16",
+        "model.hidden_size": 256,
+        "model.intermediate_size": 1024,
+        "model.num_attention_heads": 4,
+        "seq_len": 128,
+        "max_predictions_per_seq": 20,
+    }
+    reports = [plan.plan(small(batch_size=n, **fields), plan.make_target(f"v3-{n}"))
+               for n in (8, 128)]  # fmt: skip
+    few, many = (r["temporaries_gib"] for r in reports)
+    assert reports[0]["mesh"]["data"] == 8 and reports[1]["mesh"]["data"] == 128
+    assert many <= 1.1 * few, (few, many)
+
+
+def _compiled_text(config, tpu):
+    texts = []
+    original = hlo_collectives.summarize
+    hlo_collectives.summarize = lambda text: texts.append(text) or original(text)
+    try:
+        plan.plan(config, plan.make_target(tpu))
+    finally:
+        hlo_collectives.summarize = original
+    return texts[0]
+
+
+def test_tpu_program_has_no_cpu_matmul_and_no_activation_all_gather(monkeypatch):
+    config = small(batch_size=64, **{"model.dtype": "bfloat16", "model.remat_policy": "none"})
+    text = _compiled_text(config, "v3-32")
+    assert "_bf16_matmul_cpu" not in text
+    assert not re.search(r" all-gather(-start)?\(", text)  # data parallel: nothing to gather
+    # The control: the host's branch (what a step deciding on jax.default_backend() compiled)
+    # puts the CPU-only matmul in and gathers the activations of the global batch.
+    monkeypatch.setattr(layers, "target_platform", lambda: "cpu")
+    text = _compiled_text(config, "v3-32")
+    assert "_bf16_matmul_cpu" in text
+    assert re.search(r" all-gather(-start)?\(", text)
+
+
+def test_target_platform_reads_the_mesh():
+    assert layers.target_platform() == "cpu"  # no mesh: the default backend
+    devices = tpu_slices.target_devices(tpu_slices.slice_spec("v3-8"))
+    with jax.set_mesh(sharding.slice_mesh((8, 1, 1), devices)):
+        assert layers.target_platform() == "tpu"
+    with jax.set_mesh(sharding.create_mesh((-1, 1, 1))):
+        assert layers.target_platform() == "cpu"
+
+
+def test_multi_slice_reduces_gradients_across_slices():
+    report = plan.plan(small(batch_size=64), plan.make_target("v5litepod-8", num_slices=2))
+    assert report["fits"] and report["devices"] == 16 and report["mesh"]["data"] == 16
+    cross = report["collectives"]["cross_slice"]
+    assert set(cross) == {"all-reduce"} and cross["all-reduce"]["bytes"] > 0
+
+
+# ------------------------------------------------------------------------------------ meshes
+
+
+def test_explicit_mesh_that_cannot_shard_names_the_dimension_and_axis():
+    config = small(batch_size=256, **{"mesh.data": 1, "mesh.fsdp": -1})  # fsdp=256 > H=128
+    with pytest.raises(ValueError, match=r"dimension \d \(embed, size 128\) is not divisible by "
+                                         r"mesh axis fsdp=256.*mesh.auto=True"):  # fmt: skip
+        plan.plan(config, plan.make_target("v3-256"))
+    auto = plan.plan(plan.with_overrides(config, **{"mesh.auto": True}), plan.make_target("v3-256"))
+    assert auto["fits"] and auto["mesh_auto"]
+    assert auto["mesh"] == {"data": 256, "fsdp": 1, "tensor": 1}
+
+
+def test_auto_mesh_shards_only_as_far_as_needed():
+    xxlarge = model_param_axes(pretrain_model("xxlarge"))
+    # 223M parameters x 16 bytes (weights, gradients, two LAMB moments) = 3.3 GiB.
+    shape, why = sharding.choose_mesh_shape(xxlarge, 512, 4096, 16, 15.48 * 2**30)
+    assert shape == (512, 1, 1), why  # a quarter of a v3 core's HBM holds it: data parallel
+    shape, why = sharding.choose_mesh_shape(xxlarge, 512, 4096, 16, 7.48 * 2**30)
+    assert shape == (256, 2, 1), why  # a v2 core's does not: FSDP over 2
+    shape, _ = sharding.choose_mesh_shape(xxlarge, 512, 128, 16, None)
+    assert shape == (128, 1, 4)  # 128 rows over 512 devices: tensor parallel for the rest
+    with pytest.raises(ValueError, match="no .* layout of 512 devices"):
+        sharding.choose_mesh_shape(xxlarge, 512, 100, 16, None)
+
+
+def pretrain_model(size):
+    from albert_jax.config import model_config_from
+
+    return model_config_from(pretrain.get_config(f"size={size}"))
+
+
+# ------------------------------------------------------------------------------- fine-tuning
+
+
+def test_fine_tuning_config_is_planned():
+    config = finetune_configs.get_config("task=sentiment_rt,init=")
+    config = plan.with_overrides(
+        config,
+        batch_size=64,
+        max_seq_length=128,
+        **{
+            "model.hidden_size": 256,
+            "model.num_attention_heads": 4,
+            "model.intermediate_size": 1024,
+        },
+    )
+    report = plan.plan(config, plan.make_target("v5litepod-8"))
+    assert report["fits"] and report["global_batch"] == 64 and report["seq_len"] == 128
+    assert report["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
+
+
+def test_max_batch_finds_the_largest_fitting_batch():
+    config = small(**{"model.max_position_embeddings": 1024, "seq_len": 1024,
+                      "model.num_attention_heads": 8})  # fmt: skip
+    found = plan.max_batch(config, plan.make_target("v2-8"), "none")
+    rows = found["max_batch"]
+    assert rows > 0 and rows % 8 == 0 and found["plan"]["fits"]
+    over = plan.plan(plan.with_overrides(config, batch_size=rows + 8,
+                                         **{"model.remat_policy": "none"}),
+                     plan.make_target("v2-8"))  # fmt: skip
+    assert not over["fits"]
