@@ -34,7 +34,7 @@ Usage: ${SCRIPT_NAME} SUBCOMMAND --name=NAME --zone=ZONE [flags] [--config.KEY=V
 
 Subcommands:
   create   create the TPU VM (--type required; --spot; --queued for a queued resource)
-  setup    copy this repository to every worker and pip-install it (plus jax[tpu]) into a venv
+  setup    copy this repository to every worker and pip-install it with [tpu] into a venv
   run      kill stale TPU processes, then start training on every worker
            (--config, --workdir=gs://..., --data_dir=gs://... required; in the background with
            the log in ~/${REMOTE_LOG} unless --foreground; --restart for spot/preemptible TPUs)
@@ -456,8 +456,9 @@ remote_setup_command() {
   script+=" rm -rf ${venv}; ${apt} update -q; ${apt} install -y -q python3-venv;"
   script+=" python3 -m venv ${venv}; }; fi"
   script+="; cd ${code}; ${venv}/bin/python -m pip install -q -U pip"
-  # One resolver call, so jax[tpu] and the package's own jax requirement agree.
-  script+="; ${venv}/bin/python -m pip install -q -e \".[test]\" \"jax[tpu]\""
+  # The [tpu] extra: jax[tpu] at the package's jax version, so the pod runs the libtpu that
+  # `python -m albert_jax.plan` compiled with.
+  script+="; ${venv}/bin/python -m pip install -q -e \".[test,tpu]\""
   script+="; ${venv}/bin/python -c \"import albert_jax, jax; print('albert_jax', jax.__version__)\""
   printf '%s' "$script"
 }

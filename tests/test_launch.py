@@ -193,7 +193,7 @@ def test_dry_run_setup_copies_the_code_then_installs_it_everywhere(tmp_path):
     command = remote_command(ssh)
     assert "tar -xzf ~/albert_jax_code.tar.gz -C ~/albert_jax" in command
     assert "python3 -m venv ~/albert_venv" in command
-    assert 'pip install -q -e ".[test]" "jax[tpu]"' in command
+    assert 'pip install -q -e ".[test,tpu]"' in command
 
 
 def test_dry_run_kill_stops_training_and_frees_the_tpu():
