@@ -31,12 +31,11 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from albert_jax import flops as flops_lib
 from albert_jax import hlo_collectives, tpu_slices, train_state
-from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, slice_mesh
+from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, shard_bytes, slice_mesh
+from albert_jax.train_config import with_fields
 
 GiB = 2**30
 # Least recomputation first: what `--max_batch` and the docs table walk through.
@@ -73,21 +72,13 @@ def _pretraining(config: Any, target: Target) -> tuple[Any, Any, dict[str, Any],
     """(objective, mesh, abstract batch spec {name: (shape, dtype)}, model FLOPs a step)."""
     from albert_jax.model import AlbertForPreTraining
     from albert_jax.train_config import validate_config
-    from albert_jax.train_step import PretrainingModel, train_step_flops
+    from albert_jax.train_step import PretrainingModel, pretraining_batch_shapes, train_step_flops
 
     layout = validate_config(config, devices=target.devices, processes=target.processes)
     mesh = slice_mesh(layout.mesh_shape, target.devices, target.num_slices)
     model = AlbertForPreTraining(layout.model_config)
     B, S, P = config.batch_size, config.seq_len, config.max_predictions_per_seq
-    batch = {
-        "input_ids": ((B, S), jnp.int32),
-        "segment_ids": ((B, S), jnp.int32),
-        "input_mask": ((B, S), jnp.int32),
-        "masked_lm_positions": ((B, P), jnp.int32),
-        "masked_lm_ids": ((B, P), jnp.int32),
-        "masked_lm_weights": ((B, P), jnp.float32),
-        "sentence_order_label": ((B,), jnp.int32),
-    }
+    batch = pretraining_batch_shapes(B, S, P)
     flops = train_step_flops(layout.model_config, B, S, P)
     return PretrainingModel(config, model, mesh), mesh, batch, flops
 
@@ -119,15 +110,6 @@ def _fine_tuning(config: Any, target: Target) -> tuple[Any, Any, dict[str, Any],
     flops = flops_lib.train_flops_per_step(model_config, rows * options, S, 0,
                                            last_layer_positions=S)  # fmt: skip
     return objective, mesh, batch, flops
-
-
-def _shard_bytes(tree: Any) -> int:
-    """Bytes of one device's shard of every array in `tree` (ShapeDtypeStructs with shardings)."""
-    total = 0
-    for leaf in jax.tree_util.tree_leaves(tree):
-        shape = leaf.sharding.shard_shape(leaf.shape)
-        total += int(np.prod(shape)) * jnp.dtype(leaf.dtype).itemsize
-    return total
 
 
 def _gib(n: float) -> float:
@@ -183,9 +165,9 @@ def plan(config: Any, target: Target) -> dict[str, Any]:
         "mesh_auto": bool(config.mesh.get("auto", False)),
         "hbm_per_device_gib": round(spec.hbm_gib_per_device, 2),
         "usable_hbm_gib": spec.usable_hbm_gib,
-        "params_gib": _gib(_shard_bytes(state.params)),
-        "opt_state_gib": _gib(_shard_bytes(state.opt_state)),
-        "batch_gib": _gib(_shard_bytes(batch)),
+        "params_gib": _gib(shard_bytes(state.params)),
+        "opt_state_gib": _gib(shard_bytes(state.opt_state)),
+        "batch_gib": _gib(shard_bytes(batch)),
         "flops_per_device": flops_per_device,
         "peak_bf16_per_device": spec.peak_bf16_per_device,
         # Model FLOPs at the chip's peak: no step can be faster (not a step-time estimate).
@@ -229,19 +211,6 @@ def _temporaries_of(error: str | None) -> float | None:
     return round(float(match.group(1)) * scale, 4)
 
 
-def with_overrides(config: Any, **fields: Any) -> Any:
-    """A copy of `config` with dotted fields set ("model.remat_policy": "full")."""
-    config = config.copy_and_resolve_references()
-    with config.unlocked():
-        for dotted, value in fields.items():
-            node = config
-            *parents, last = dotted.split(".")
-            for part in parents:
-                node = node[part]
-            node[last] = value
-    return config
-
-
 def max_batch(config: Any, target: Target, remat: str) -> dict[str, Any]:
     """The largest global batch that fits with `remat`, a multiple of the rows a step splits
     over (data × fsdp × microbatches of the config's mesh). Memory grows about linearly with
@@ -249,7 +218,7 @@ def max_batch(config: Any, target: Target, remat: str) -> dict[str, Any]:
     temporaries an OOM names) meets the usable HBM, kept strictly between the largest batch
     that fits and the smallest that does not: a few compiles, not a bisection's many.
     {"remat", "max_batch" (0: not even one row a device fits), "plan": the report at it}."""
-    base = with_overrides(config, **{"model.remat_policy": remat})
+    base = with_fields(config, **{"model.remat_policy": remat})
     _, mesh, _, _ = (_fine_tuning if "task" in base else _pretraining)(base, target)
     unit = int(mesh.shape["data"] * mesh.shape["fsdp"]) * int(base.get("microbatches", 1))
     usable = target.spec.usable_hbm_gib
@@ -258,7 +227,7 @@ def max_batch(config: Any, target: Target, remat: str) -> dict[str, Any]:
     rows = unit
     for _ in range(24):
         try:
-            report = plan(with_overrides(base, batch_size=rows), target)
+            report = plan(with_fields(base, batch_size=rows), target)
         except ValueError:  # a batch the layout cannot split: treated as not fitting
             report = {"fits": False, "temporaries_gib": None}
         if report["fits"]:
@@ -331,18 +300,25 @@ def _print_human(report: dict[str, Any]) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Exit status 0: fits; 1: does not fit (the compiler's message printed); 2: a config or
-    `--tpu` that cannot be planned (the error names the field)."""
+def main() -> None:
+    """The CLI (absl: `--help` lists the flags). Exit status 0: fits; 1: does not fit (the
+    compiler's message printed); 2: a config or `--tpu` that cannot be planned (the error
+    names the field)."""
+    from absl import app
+
+    environment_for_tpu_compile()
+    _define_flags()
+    app.run(_run)
+
+
+def _run(argv: list[str]) -> int:
     import json
     import sys
 
     from absl import app, flags
 
-    environment_for_tpu_compile()
-    _define_flags()
-    argv = flags.FLAGS(sys.argv if argv is None else argv)
-    del argv
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     FLAGS = flags.FLAGS
     if FLAGS.config is None or FLAGS.tpu is None:
         raise app.UsageError("--config and --tpu are required")
@@ -376,4 +352,4 @@ def environment_for_tpu_compile() -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -199,6 +199,16 @@ def choose_mesh_shape(
     )
 
 
+def shard_bytes(tree: PyTree) -> int:
+    """Bytes of one device's shard of every array in `tree` (arrays or ShapeDtypeStructs with
+    shardings)."""
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape)
+        total += int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of a [B, ...] input batch: B split over (data, fsdp)."""
     return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))

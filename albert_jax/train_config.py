@@ -52,6 +52,19 @@ def config_field(config: Any, dotted: str, default: Any = None) -> Any:
     return default if node is None else node
 
 
+def with_fields(config: Any, **fields: Any) -> Any:
+    """A copy of `config` with dotted fields set (`**{"model.remat_policy": "full"}`)."""
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+        for dotted, value in fields.items():
+            node = config
+            *parents, last = dotted.split(".")
+            for part in parents:
+                node = node[part]
+            node[last] = value
+    return config
+
+
 def _keys(node: Any) -> list[str]:
     return list(node.keys()) if hasattr(node, "keys") else []
 

@@ -115,6 +115,20 @@ def make_train_step(
     )
 
 
+def pretraining_batch_shapes(B: int, S: int, P: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """{name: (shape, dtype)} of a pretraining batch of B sequences of S tokens with P
+    predictions each (the batch contract of the data pipeline)."""
+    return {
+        "input_ids": ((B, S), jnp.int32),
+        "segment_ids": ((B, S), jnp.int32),
+        "input_mask": ((B, S), jnp.int32),
+        "masked_lm_positions": ((B, P), jnp.int32),
+        "masked_lm_ids": ((B, P), jnp.int32),
+        "masked_lm_weights": ((B, P), jnp.float32),
+        "sentence_order_label": ((B,), jnp.int32),
+    }
+
+
 def _model_inputs(batch: Mapping[str, jax.Array]) -> tuple[jax.Array, ...]:
     return (
         batch["input_ids"],

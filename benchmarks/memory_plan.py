@@ -44,15 +44,19 @@ from typing import Any  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from albert_jax.config import model_config_from  # noqa: E402
 from albert_jax.model import AlbertForPreTraining  # noqa: E402
-from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, create_mesh  # noqa: E402
+from albert_jax.sharding import (  # noqa: E402
+    LOGICAL_AXIS_RULES,
+    batch_sharding,
+    create_mesh,
+    shard_bytes,
+)
 from albert_jax.train import create_train_state, make_train_step  # noqa: E402
+from albert_jax.train_step import pretraining_batch_shapes  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Pretraining config (get_config).")
 flags.DEFINE_string("mesh", "1,8,1", "data,fsdp,tensor mesh shape to plan for.")
@@ -62,27 +66,11 @@ _JSON = flags.DEFINE_bool("json", False, "Print one JSON line.")
 GiB = 2**30
 
 
-def _per_device_bytes(tree: Any) -> int:
-    """Bytes of one device's shard of every array in `tree` (ShapeDtypeStructs with shardings)."""
-    total = 0
-    for leaf in jax.tree_util.tree_leaves(tree):
-        shard = leaf.sharding.shard_shape(leaf.shape)
-        total += int(np.prod(shard)) * jnp.dtype(leaf.dtype).itemsize
-    return total
-
-
 def _abstract_batch(config: Any, sharding: jax.sharding.NamedSharding) -> dict[str, Any]:
-    B, S, P = config.batch_size, config.seq_len, config.max_predictions_per_seq
-    spec = {
-        "input_ids": ((B, S), jnp.int32),
-        "segment_ids": ((B, S), jnp.int32),
-        "input_mask": ((B, S), jnp.int32),
-        "masked_lm_positions": ((B, P), jnp.int32),
-        "masked_lm_ids": ((B, P), jnp.int32),
-        "masked_lm_weights": ((B, P), jnp.float32),
-        "sentence_order_label": ((B,), jnp.int32),
-    }
-    return {k: jax.ShapeDtypeStruct(s, d, sharding=sharding) for k, (s, d) in spec.items()}
+    shapes = pretraining_batch_shapes(
+        config.batch_size, config.seq_len, config.max_predictions_per_seq
+    )
+    return {k: jax.ShapeDtypeStruct(s, d, sharding=sharding) for k, (s, d) in shapes.items()}
 
 
 def plan(config: Any, mesh_shape: tuple[int, int, int], remat: str) -> dict[str, Any]:
@@ -107,14 +95,14 @@ def plan(config: Any, mesh_shape: tuple[int, int, int], remat: str) -> dict[str,
         compiled = step.lower(state, batch).compile()
         seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
-    params = _per_device_bytes(state.params)
-    opt = _per_device_bytes(state.opt_state)
+    params = shard_bytes(state.params)
+    opt = shard_bytes(state.opt_state)
     temp = int(stats.temp_size_in_bytes)
     return {
         "remat": remat,
         "params_gib": round(params / GiB, 4),
         "opt_state_gib": round(opt / GiB, 4),
-        "batch_gib": round(_per_device_bytes(batch) / GiB, 4),
+        "batch_gib": round(shard_bytes(batch) / GiB, 4),
         "temporaries_gib": round(temp / GiB, 4),
         # Donated state aliases its outputs, so arguments + temporaries is the peak estimate.
         "total_gib": round((stats.argument_size_in_bytes + temp) / GiB, 4),

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("libtpu", reason="the TPU compiler: pip install -e '.[tpu]'")
 
 from albert_jax import hlo_collectives, layers, plan, sharding, tpu_slices  # noqa: E402
-from albert_jax.train_config import model_param_axes  # noqa: E402
+from albert_jax.train_config import model_param_axes, with_fields  # noqa: E402
 from configs import finetune as finetune_configs  # noqa: E402
 from configs import pretrain  # noqa: E402
 
@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def small(**fields):
     """A 2-layer ALBERT (H=128) pretraining config with `fields` set (dotted names)."""
     config = pretrain.get_config("size=tiny")
-    return plan.with_overrides(config, **fields)
+    return with_fields(config, **fields)
 
 
 # ----------------------------------------------------------------------------------- slices
@@ -166,7 +166,7 @@ def test_explicit_mesh_that_cannot_shard_names_the_dimension_and_axis():
     with pytest.raises(ValueError, match=r"dimension \d \(embed, size 128\) is not divisible by "
                                          r"mesh axis fsdp=256.*mesh.auto=True"):  # fmt: skip
         plan.plan(config, plan.make_target("v3-256"))
-    auto = plan.plan(plan.with_overrides(config, **{"mesh.auto": True}), plan.make_target("v3-256"))
+    auto = plan.plan(with_fields(config, **{"mesh.auto": True}), plan.make_target("v3-256"))
     assert auto["fits"] and auto["mesh_auto"]
     assert auto["mesh"] == {"data": 256, "fsdp": 1, "tensor": 1}
 
@@ -195,7 +195,7 @@ def pretrain_model(size):
 
 def test_fine_tuning_config_is_planned():
     config = finetune_configs.get_config("task=sentiment_rt,init=")
-    config = plan.with_overrides(
+    config = with_fields(
         config,
         batch_size=64,
         max_seq_length=128,
@@ -216,7 +216,7 @@ def test_max_batch_finds_the_largest_fitting_batch():
     found = plan.max_batch(config, plan.make_target("v2-8"), "none")
     rows = found["max_batch"]
     assert rows > 0 and rows % 8 == 0 and found["plan"]["fits"]
-    over = plan.plan(plan.with_overrides(config, batch_size=rows + 8,
+    over = plan.plan(with_fields(config, batch_size=rows + 8,
                                          **{"model.remat_policy": "none"}),
                      plan.make_target("v2-8"))  # fmt: skip
     assert not over["fits"]

@@ -21,6 +21,7 @@ import pytest
 from conftest import main_command
 
 from albert_jax import checkpointing, metrics_writer, train
+from albert_jax.train_config import with_fields
 from configs import pretrain
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,14 +56,7 @@ def small_overrides(corpus, **extra):
 
 
 def make_config(overrides):
-    config = pretrain.get_config("size=tiny")
-    for dotted, value in overrides.items():
-        node = config
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
-    return config
+    return with_fields(pretrain.get_config("size=tiny"), **overrides)
 
 
 # `python -m albert_jax.main`, failing (status 1) if it imported TensorFlow: pretraining on
