@@ -99,3 +99,19 @@ def test_several_cpu_devices_are_left_as_they_are(monkeypatch):
     assert not process_setup.keep_freed_host_memory()
     monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "1")
     assert process_setup.cpu_device_count() == 1
+
+
+def test_libtpu_without_a_tpu_chip_leaves_cpu_runs_on_the_cpu(monkeypatch):
+    """The [tpu] extra on a CPU machine (for `albert_jax.plan`) changes nothing for its CPU
+    runs: still CPU-only (the host-memory setting applies), and JAX is not sent to try a TPU."""
+    import glob
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is None or glob.glob("/dev/accel*"):
+        pytest.skip("needs libtpu installed on a host without TPU chips")
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
+    assert not process_setup.tpu_runtime_usable()
+    assert process_setup.jax_has_cpu_only()
+    process_setup.skip_absent_tpu()
+    assert os.environ["JAX_PLATFORMS"] == "cpu"
