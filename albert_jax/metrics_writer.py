@@ -46,13 +46,36 @@ def _json_number(value: Any) -> Any:
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl file (a workdir is accepted too); [] if absent."""
+    """The records of a metrics.jsonl file (a workdir is accepted too); [] if absent. A cut-off
+    last line (a crash mid-write) is dropped with a warning; a bad line elsewhere raises a
+    ValueError naming the file and line."""
+    return _read_records(path)[0]
+
+
+def _read_records(path: str) -> tuple[list[dict[str, Any]], int]:
+    """(records, 1 if a cut-off last line was dropped else 0): see `read_metrics`."""
     file = files.as_path(path)
     if file.is_dir():
         file = file / METRICS_FILE
     if not file.exists():
-        return []
-    return [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+        return [], 0
+    lines = file.read_text().splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    records, dropped = [], 0
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == last:  # a write cut off by a crash: that record is lost, the rest is not
+                logging.warning("%s: dropped its cut-off last line %d (%s)", file, i + 1, e)
+                dropped = 1
+                continue
+            raise ValueError(
+                f"{file}: line {i + 1} is not a JSON record ({e}); fix or remove that line"
+            ) from None
+    return records, dropped
 
 
 def _write_lines(path: str, records: Sequence[Mapping[str, Any]]) -> None:
@@ -81,15 +104,15 @@ class MetricsWriter:
             self._records = read_metrics(self.path)
 
     def rewind(self, step: int) -> int:
-        """Drops records with step > `step` (they belong to work lost in a crash); returns how
-        many were dropped. The file is replaced atomically."""
+        """Drops records with step > `step` (they belong to work lost in a crash) and a cut-off
+        last line; returns how many records were dropped. The file is replaced atomically."""
         if not self.enabled:
             return 0
-        records = self._records if self._records is not None else read_metrics(self.path)
+        records, cut = (self._records, 0) if self._records is not None else _read_records(self.path)
         kept = [r for r in records if int(r.get("step", 0)) <= step]
         if self._records is not None:
             self._records = kept
-        if len(kept) == len(records):
+        if len(kept) == len(records) and not cut:
             return 0
         _write_lines(self.path, kept)
         return len(records) - len(kept)

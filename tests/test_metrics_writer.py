@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from albert_jax import files
 from albert_jax.metrics_writer import MetricsWriter, plot_learning_curve, read_metrics
 
@@ -77,3 +79,26 @@ def test_writing_metrics_imports_no_tensorflow(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(os.listdir(tmp_path / "tensorboard")) == 1
+
+
+def test_cut_off_last_line_is_dropped_and_the_run_resumes(tmp_path):
+    """A crash in the middle of a write leaves half a line: the resume drops it (its record was
+    lost with the crash) instead of failing on it."""
+    writer = MetricsWriter(str(tmp_path))
+    for step in (1, 2):
+        writer.write(step, {"loss": 4.0 - step})
+    writer.close()
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(path.read_text() + '{"step": 3, "lo')
+    resumed = MetricsWriter(str(tmp_path))
+    assert resumed.rewind(2) == 0
+    resumed.write(3, {"loss": 1.0})
+    resumed.close()
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2, 3]
+
+
+def test_bad_line_inside_the_file_names_file_and_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 3.0}\nnot json\n{"step": 2, "loss": 2.0}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not a JSON record"):
+        read_metrics(str(tmp_path))
