@@ -6,6 +6,7 @@ Field names follow the official `albert_config.json`, so a released config reads
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -159,10 +160,10 @@ class ModelConfig:
                 "attention probabilities: set attention_probs_dropout_prob=0 (ALBERT's presets "
                 "do) or attention_impl='xla'"
             )
-        if self.initializer_range <= 0:
-            raise ValueError("ModelConfig.initializer_range must be > 0")
-        if self.layer_norm_eps <= 0:
-            raise ValueError("ModelConfig.layer_norm_eps must be > 0")
+        for name in ("initializer_range", "layer_norm_eps"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):  # NaN fails `<= 0` too
+                raise ValueError(f"ModelConfig.{name} must be a finite number > 0, got {value}")
 
     # ------------------------------------------------------------------------- derived values
     @property

@@ -19,6 +19,7 @@ Parameters are addressed by their pytree path joined with "/" (e.g.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, NamedTuple
@@ -362,6 +363,8 @@ def _field(config: Any, name: str) -> Any:
 def _check_number(name: str, value: Any, low: float, high: float | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):  # NaN passes every comparison below
+        raise ValueError(f"{name} must be a finite number, got {value}")
     if value < low or (high is not None and value >= high):
         bound = f"[{low}, {high})" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be {bound}, got {value}")

@@ -316,6 +316,9 @@ def compile_counter():
         ({"unknown_field": 1}, "config.unknown_field"),
         ({"data.tokeniser": "x"}, "config.data.tokeniser"),
         ({"model.hidden_sise": 8}, "hidden_sise"),
+        # NaN passes every range check; found only after compiling, config.json held a bare NaN
+        ({"learning_rate": float("nan")}, "learning_rate must be a finite number, got nan"),
+        ({"model.initializer_range": float("inf")}, "initializer_range must be a finite number"),
     ],
 )
 def test_bad_config_fails_before_compilation(corpus, tmp_path, compile_counter, change, field):
