@@ -12,6 +12,10 @@ research baseline; outputs change). Both print and write (`DST/unshare_report.js
 `DST/reshare_report.json`) how far the new model's outputs are from the source's (see
 `albert_jax.unshare`).
 
+A `--dst` that is `--src` or inside it, or that holds a training run (`checkpoints/`,
+`metrics.jsonl`), is refused before anything is read unless `--overwrite` is given: the outputs
+(`config.json` among them) would replace its files.
+
 Every path may be local or `gs://`. The work is done by the modules below this one, which
 import each other one way only (weight_names <- hf_checkpoint, tf1_checkpoint <- pretrained <-
 convert):
@@ -31,6 +35,7 @@ initialized by `load_pretrained`.
 
 from __future__ import annotations
 
+from albert_jax import files
 from albert_jax.hf_checkpoint import (
     hf_state_dict_to_params,
     load_hf_checkpoint,
@@ -127,7 +132,36 @@ def _define_flags() -> None:
         None,
         "Sentencepiece model to bundle (default: the one found next to the source, if any).",
     )
+    flags.DEFINE_bool(
+        "overwrite",
+        False,
+        "Write into a --dst that is inside --src or holds a training run (checkpoints/, "
+        "metrics.jsonl): refused without it, since the outputs would replace the run's files.",
+    )
     flags.mark_flags_as_required(["src", "dst"])
+
+
+# What marks a directory as a training run's workdir.
+_RUN_MARKERS = ("checkpoints", "metrics.jsonl")
+
+
+def check_destination(src: str, dst: str, overwrite: bool) -> None:
+    """Refuses (ValueError) a `dst` that is `src` or inside it, or that holds a training run,
+    unless `overwrite`: conversion outputs (`config.json`, weights) would replace its files."""
+    if overwrite:
+        return
+    source, target = files.absolute(src).rstrip("/"), files.absolute(dst).rstrip("/")
+    if target == source or target.startswith(source + "/"):
+        raise ValueError(
+            f"--dst={dst} is inside --src={src}: the conversion would write over the source's "
+            "files; choose another --dst (or pass --overwrite)"
+        )
+    held = [m for m in _RUN_MARKERS if (files.as_path(target) / m).exists()]
+    if held:
+        raise ValueError(
+            f"--dst={dst} holds a training run ({', '.join(held)}): the conversion would write "
+            "over its files (config.json among them); choose another --dst (or pass --overwrite)"
+        )
 
 
 def main(argv: list[str]) -> None:
@@ -141,6 +175,10 @@ def main(argv: list[str]) -> None:
     if sum(d is not None for d in given) != 1:
         raise app.UsageError("give exactly one of --from=hf|tf, --to=hf, --unshare or --reshare")
     src, dst, tokenizer = FLAGS.src, FLAGS.dst, FLAGS.tokenizer
+    try:
+        check_destination(src, dst, FLAGS.overwrite)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
     if FLAGS.unshare or FLAGS.reshare:
         direction = "unshare" if FLAGS.unshare else "reshare"
         report = convert_sharing(src, dst, direction)

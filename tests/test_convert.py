@@ -449,6 +449,20 @@ def test_cli_hf_round_trip(tmp_path):
     assert bad.returncode != 0 and "exactly one of --from" in bad.stderr
 
 
+def test_cli_refuses_to_write_over_its_source_or_a_run(tmp_path):
+    """`--to=hf --src=W --dst=W` replaced the run's config.json with the HF config."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text('{"seed": 0}\n')
+    for dst in (run, run / "hf"):
+        done = run_cli("--to=hf", f"--src={run}", f"--dst={dst}")
+        assert done.returncode != 0 and f"--dst={dst} is inside --src={run}" in done.stderr
+    done = run_cli("--to=hf", f"--src={tmp_path / 'elsewhere'}", f"--dst={run}")
+    assert done.returncode != 0 and "holds a training run (checkpoints)" in done.stderr
+    assert (run / "config.json").read_text() == '{"seed": 0}\n'
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.json"]
+
+
 def test_missing_sources_are_named(tmp_path):
     """Every reader of a foreign checkpoint, and the CLI, name a missing source."""
     missing = str(tmp_path / "nowhere")
