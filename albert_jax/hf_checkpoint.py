@@ -199,6 +199,10 @@ def read_safetensors(data: bytes, source: str = "safetensors") -> dict[str, np.n
             begin, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
             raise unreadable(source, what, f"malformed header entry {name}: {info!r}") from e
+        # numpy's own error for these names neither the file nor the tensor.
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise unreadable(source, what, f"tensor {name} has shape {list(shape)}: dimensions "
+                             "must be non-negative integers")  # fmt: skip
         if dtype_name == "BF16":
             import ml_dtypes
 

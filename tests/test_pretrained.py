@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import struct
 
 import flax.linen as nn
 import jax
@@ -285,6 +286,19 @@ def test_truncated_hf_weights_are_named(tmp_path):
     bin_error = re.escape(f"{legacy_weights}: not a readable PyTorch state dict: ")
     with pytest.raises(ValueError, match=bin_error):
         load_pretrained(str(legacy))
+
+
+@pytest.mark.parametrize("shape", [[-1, 4], [2.5, 4], ["2", 4], [True, 4]])
+def test_safetensors_header_with_bad_dims_is_named(shape):
+    """numpy's own ValueError / TypeError for a negative or non-integer dimension named
+    neither the file nor the tensor."""
+    from albert_jax.hf_checkpoint import read_safetensors
+
+    header = json.dumps({"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 32]}})
+    data = struct.pack("<Q", len(header)) + header.encode() + bytes(32)
+    expected = r"x/model.safetensors: not a readable safetensors file: tensor w has shape "
+    with pytest.raises(ValueError, match=expected + r".*non-negative integers"):
+        read_safetensors(data, "x/model.safetensors")
 
 
 def test_broken_tf1_checkpoints_are_named(tmp_path):

@@ -222,3 +222,11 @@ def test_tokenizer_reads_and_writes_gs(gcs, tokenizer, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=f"{prefix}/missing.model"):
         Tokenizer(gcs.url(f"{prefix}/missing.model"))
     assert os.listdir(tmp_path) == []
+
+
+def test_a_file_that_is_not_a_sentencepiece_model_is_named(tmp_path):
+    """sentencepiece's own `RuntimeError: INTERNAL: ...` named no file."""
+    bogus = tmp_path / "vocab.txt"
+    bogus.write_text("[PAD]\n[UNK]\nhello\n")
+    with pytest.raises(ValueError, match=rf"Tokenizer: '{bogus}' is not a sentencepiece model"):
+        Tokenizer(str(bogus))

@@ -100,7 +100,14 @@ class Tokenizer:
         self.model_path = model_path
         self.lower = lower
         self.replace_quotes = replace_quotes
-        self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        except RuntimeError as e:  # sentencepiece names neither the file nor what it is
+            where = repr(model_path) if model_path else "model_proto"
+            raise ValueError(
+                f"Tokenizer: {where} is not a sentencepiece model ({str(e).splitlines()[0]}); "
+                "pass the .model file sentencepiece trained (e.g. the workdir's tokenizer.model)"
+            ) from None
         self._proto = model_proto
         expected = {PAD: 0, UNK: 1, CLS: 2, SEP: 3, MASK: 4}
         for piece, want in expected.items():
