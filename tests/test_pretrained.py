@@ -288,7 +288,7 @@ def test_truncated_hf_weights_are_named(tmp_path):
         load_pretrained(str(legacy))
 
 
-@pytest.mark.parametrize("shape", [[-1, 4], [2.5, 4], ["2", 4], [True, 4]])
+@pytest.mark.parametrize("shape", [[-2, -4], [-1, 4], [2.5, 3.2], ["2", 4], [True, 8]])
 def test_safetensors_header_with_bad_dims_is_named(shape):
     """numpy's own ValueError / TypeError for a negative or non-integer dimension named
     neither the file nor the tensor."""
