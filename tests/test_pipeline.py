@@ -435,3 +435,28 @@ def test_demo_on_gs_feeds_the_pipeline(gcs, tokenizer, tmp_path, monkeypatch):
     assert_same(batches(**on_gs), remote)
     assert os.listdir(mirror) and not gcs.list(f"{prefix}/tfds/")
     assert os.listdir(cwd) == []
+
+
+def test_committed_entry_with_a_cut_off_array_is_rebuilt(tokenizer, sources, tmp_path, caplog):
+    """A committed entry whose tokens.npy was cut off failed with numpy's "mmap length is
+    greater than file size", naming no file; it is now tokenized again, with a warning."""
+
+    def load():
+        return pipeline.load_tokenized(
+            sources[1], tokenizer, split="train", shard_index=0, shard_count=1, cache_dir=tmp_path
+        )
+
+    corpus, stats, entry = load()
+    tokens = np.array(corpus.tokens)
+    del corpus
+    path = os.path.join(entry, "tokens.npy")
+    with open(path, "rb") as f:
+        intact = f.read()
+    with open(path, "wb") as f:
+        f.write(intact[: len(intact) // 2])
+    with pytest.raises(cache.DamagedEntryError, match=r"tokens.npy does not load"):
+        cache.load_corpus(entry)
+    again, stats_again, _ = load()
+    np.testing.assert_array_equal(again.tokens, tokens)
+    assert stats_again == stats
+    assert any("tokens.npy does not load" in r.getMessage() for r in caplog.records)

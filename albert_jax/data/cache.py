@@ -103,12 +103,32 @@ def save_corpus(entry: str | epath.Path, corpus: TokenizedCorpus, stats: dict) -
     files.write_json(entry / MARKER, stats, indent=None)
 
 
+class DamagedEntryError(ValueError):
+    """A committed cache entry whose arrays do not load (cut off, overwritten); names the
+    file. `load_tokenized` rebuilds such an entry."""
+
+
 def load_corpus(entry: str | epath.Path) -> TokenizedCorpus:
-    """The memory-mapped arrays of a local cache entry."""
+    """The memory-mapped arrays of a local cache entry.
+
+    Raises:
+      DamagedEntryError: naming the array file that does not load (numpy's own error for a
+        cut-off file, "mmap length is greater than file size", names none).
+    """
     if not files.is_local(entry):
         raise ValueError(f"load_corpus: {entry} is not local; load_tokenized mirrors it first")
     entry = files.as_path(entry)
-    return TokenizedCorpus(*(np.load(entry / f"{name}.npy", mmap_mode="r") for name in ARRAYS))
+    arrays = []
+    for name in ARRAYS:
+        path = entry / f"{name}.npy"
+        try:
+            arrays.append(np.load(path, mmap_mode="r"))
+        except (ValueError, OSError, EOFError) as e:
+            raise DamagedEntryError(
+                f"tokenized cache entry {entry}: {path.name} does not load ({e}); delete the "
+                "entry to have it tokenized again"
+            ) from e
+    return TokenizedCorpus(*arrays)
 
 
 def _mirror(entry: epath.Path) -> epath.Path:
@@ -183,8 +203,10 @@ def load_tokenized(
     shard_count: int,
     cache_dir: str,
     num_workers: int = 0,
+    _rebuilt: bool = False,
 ) -> tuple[TokenizedCorpus, dict[str, int], str]:
-    """Tokenized corpus of one source shard, built once and then memory-mapped.
+    """Tokenized corpus of one source shard, built once and then memory-mapped; a committed
+    entry whose arrays do not load is built again (once, with a warning naming it).
 
     Returns (corpus, build counters, the local entry directory the corpus is mapped from: the
     entry itself, or the local mirror of a remote one).
@@ -217,7 +239,19 @@ def load_tokenized(
             _download(entry, local)
     counters = files.read_json(local / MARKER)
     counters.pop(BUILD_KEY, None)
-    return load_corpus(local), counters, str(local)
+    try:
+        corpus = load_corpus(local)
+    except DamagedEntryError as e:
+        if _rebuilt:
+            raise
+        # Committed but damaged (a disk error, a copy cut off): uncommit and build it again.
+        logging.warning("%s; tokenizing it again", e)
+        for damaged in {entry, local}:
+            (damaged / MARKER).unlink(missing_ok=True)
+        return load_tokenized(source, tokenizer, split=split, shard_index=shard_index,
+                              shard_count=shard_count, cache_dir=cache_dir,
+                              num_workers=num_workers, _rebuilt=True)  # fmt: skip
+    return corpus, counters, str(local)
 
 
 def _marker(entry: epath.Path) -> dict | None:
