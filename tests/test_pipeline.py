@@ -460,3 +460,24 @@ def test_committed_entry_with_a_cut_off_array_is_rebuilt(tokenizer, sources, tmp
     np.testing.assert_array_equal(again.tokens, tokens)
     assert stats_again == stats
     assert any("tokens.npy does not load" in r.getMessage() for r in caplog.records)
+
+
+def test_cache_write_that_runs_out_of_space_names_the_entry(tmp_path):
+    """Out of space while writing the cache gave numpy's bare "N requested and M written".
+    The space runs out for real: a subprocess whose file-size limit is 64 KiB."""
+    script = f"""
+import resource, signal
+import numpy as np
+from albert_jax.data import cache
+from albert_jax.data.pretraining import TokenizedCorpus
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails (EFBIG) instead of killing
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, resource.RLIM_INFINITY))
+corpus = TokenizedCorpus(np.zeros(1 << 20, np.int32), np.arange(3), np.arange(2))
+cache.save_corpus({str(tmp_path / "entry")!r}, corpus, {{"documents": 1}})
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))  # fmt: skip
+    assert done.returncode != 0
+    assert f"tokenized cache entry {tmp_path / 'entry'}: writing tokens.npy failed" in done.stderr
+    assert "is the disk full?" in done.stderr
+    assert not (tmp_path / "entry" / cache.MARKER).exists()  # nothing committed

@@ -98,8 +98,16 @@ def save_corpus(entry: str | epath.Path, corpus: TokenizedCorpus, stats: dict) -
     """Writes a cache entry: the arrays, then `stats.json` (the commit)."""
     entry = files.as_path(entry)
     for name in ARRAYS:
-        with files.open_atomic(entry / f"{name}.npy") as f:
-            np.save(f, getattr(corpus, name))
+        try:
+            with files.open_atomic(entry / f"{name}.npy") as f:
+                np.save(f, getattr(corpus, name))
+        except OSError as e:  # numpy's "N requested and M written" names no file
+            raise OSError(
+                e.errno,
+                f"tokenized cache entry {entry}: writing {name}.npy failed ({e}); is the disk "
+                "full? Free space, or put the cache on another disk with "
+                "--config.data.cache_dir=...",
+            ) from e
     files.write_json(entry / MARKER, stats, indent=None)
 
 
