@@ -53,7 +53,8 @@ def _train_tokenizer_texts(config: Any) -> Any:
 def prepare_tokenizer(config: Any, workdir: str, extra_dirs: tuple[str | None, ...] = ()) -> Any:
     """The run's tokenizer, saved as WORKDIR/tokenizer.model (what `load_pretrained` reads).
 
-    Order: `config.data.tokenizer`; a tokenizer already in the workdir; one found in
+    Order: `config.data.tokenizer` (refused when the workdir already has another one: the
+    run's own is never replaced); a tokenizer already in the workdir; one found in
     `extra_dirs` (the resume_from / init_from runs); else trained on the sources on first use
     (process 0; vocabulary = config.model.vocab_size; atomic write, the others wait).
     """
@@ -63,7 +64,17 @@ def prepare_tokenizer(config: Any, workdir: str, extra_dirs: tuple[str | None, .
     given = config_field(config, "data.tokenizer")
     if given and not files.as_path(given).is_file():
         raise ValueError(f"config.data.tokenizer={given!r} does not exist")
-    source = given or _find_tokenizer(workdir)
+    own = _find_tokenizer(workdir)
+    if given and own and files.as_path(given).read_bytes() != files.as_path(own).read_bytes():
+        # The run's checkpoints were trained with its own tokenizer (perhaps the only copy of
+        # one it trained): neither replaced nor silently swapped for another vocabulary.
+        raise ValueError(
+            f"config.data.tokenizer={given!r} is not this run's tokenizer {own}: the run was "
+            "trained with the latter, and it would be replaced. Resume without "
+            "config.data.tokenizer, or start a new --workdir (with init_from= this one to "
+            "start from its weights)"
+        )
+    source = given or own
     for directory in extra_dirs:
         source = source or _find_tokenizer(directory)
     if jax.process_index() == 0:

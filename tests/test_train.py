@@ -417,3 +417,24 @@ def test_short_run_learns(corpus, tmp_path):
     assert last < first - 1.0, (first, last)
     assert result["eval_mlm_loss"] < math.log(SMALL_MODEL["vocab_size"]) - 1.0  # uniform: log V
     assert result["eval_mlm_accuracy"] >= 0.9 * result["eval_mlm_majority_accuracy"], result
+
+
+def test_resume_with_another_tokenizer_is_refused(corpus, tokenizer, tmp_path):
+    """Resuming with `config.data.tokenizer=` another model trained on a new vocabulary and
+    overwrote WORKDIR/tokenizer.model, the only copy of the one the checkpoints saw."""
+    from albert_jax import prepare
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    with open(corpus["tokenizer"], "rb") as f:
+        own = f.read()
+    (workdir / "tokenizer.model").write_bytes(own)
+    config = make_config(small_overrides(corpus))
+    config.data.tokenizer = tokenizer.model_path  # another sentencepiece model
+    with pytest.raises(ValueError, match=re.escape(
+            f"config.data.tokenizer={tokenizer.model_path!r} is not this run's tokenizer "
+            f"{workdir / 'tokenizer.model'}")):  # fmt: skip
+        prepare.prepare_tokenizer(config, str(workdir))
+    assert (workdir / "tokenizer.model").read_bytes() == own
+    config.data.tokenizer = corpus["tokenizer"]  # the same model under another path: fine
+    assert prepare.prepare_tokenizer(config, str(workdir)).vocab_size == 1000
