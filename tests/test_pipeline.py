@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -372,15 +373,18 @@ def test_cache_paths_do_not_depend_on_the_working_directory(tokenizer, tmp_path,
     assert not os.listdir(tmp_path / "a") and not os.listdir(tmp_path / "b")
 
 
+def _load_one_shard(source, tokenizer, cache_dir):
+    """The whole train split of `source` as one cache entry: (corpus, stats, entry dir)."""
+    return pipeline.load_tokenized(
+        source, tokenizer, split="train", shard_index=0, shard_count=1, cache_dir=cache_dir
+    )
+
+
 def test_cache_entry_without_its_marker_is_rebuilt(tokenizer, sources, tmp_path):
     """`stats.json` is written last and commits an entry: a build that died before it (here:
     arrays overwritten with garbage, marker gone) is rebuilt, never read."""
 
-    def load():
-        return pipeline.load_tokenized(
-            sources[1], tokenizer, split="train", shard_index=0, shard_count=1, cache_dir=tmp_path
-        )
-
+    load = functools.partial(_load_one_shard, sources[1], tokenizer, tmp_path)
     corpus, stats, entry = load()
     tokens = np.array(corpus.tokens)
     del corpus
@@ -441,11 +445,7 @@ def test_committed_entry_with_a_cut_off_array_is_rebuilt(tokenizer, sources, tmp
     """A committed entry whose tokens.npy was cut off failed with numpy's "mmap length is
     greater than file size", naming no file; it is now tokenized again, with a warning."""
 
-    def load():
-        return pipeline.load_tokenized(
-            sources[1], tokenizer, split="train", shard_index=0, shard_count=1, cache_dir=tmp_path
-        )
-
+    load = functools.partial(_load_one_shard, sources[1], tokenizer, tmp_path)
     corpus, stats, entry = load()
     tokens = np.array(corpus.tokens)
     del corpus
