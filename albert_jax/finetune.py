@@ -204,7 +204,19 @@ class FineTuning(TaskModel):
         if path:
             if not files.as_path(path).is_file():
                 raise ValueError(f"config.data.tokenizer={path!r} does not exist")
-            return Tokenizer(path), path
+            given = Tokenizer(path)
+            own = pretrained.tokenizer if pretrained is not None else None
+            allowed = bool(self.config.data.get("allow_other_tokenizer", False))
+            if own is not None and given.fingerprint != own.fingerprint and not allowed:
+                # Any vocabulary no larger than the checkpoint's loads, so ids of another
+                # tokenizer would silently read unrelated pretrained embeddings.
+                raise ValueError(
+                    f"config.data.tokenizer={path!r} is not the tokenizer of the checkpoint "
+                    f"{self.config.init!r} ({pretrained.tokenizer_path}), whose embeddings are "
+                    "indexed by its ids: unset config.data.tokenizer to use the checkpoint's, "
+                    "or set config.data.allow_other_tokenizer=True if the ids are the same"
+                )
+            return given, path
         if pretrained is not None and pretrained.tokenizer is not None:
             return pretrained.tokenizer, pretrained.tokenizer_path
         raise ValueError(

@@ -30,7 +30,7 @@ KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
     ),
     "data": (
         "train_files", "eval_files", "data_dir", "train_split", "eval_split", "race_levels",
-        "tokenizer", "max_train_examples", "max_eval_examples",
+        "tokenizer", "allow_other_tokenizer", "max_train_examples", "max_eval_examples",
     ),
     "mesh": ("data", "fsdp", "tensor", "auto"),
     "debug": ("sigterm_after_step",),

@@ -82,6 +82,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.eval_split = "validation"  # TFDS split(s) to evaluate on (comma-separated)
     c.data.race_levels = "middle,high"  # RACE levels read (the paper trains on both)
     c.data.tokenizer = ml_collections.FieldReference(None, field_type=str)  # spm override
+    # A data.tokenizer other than the init checkpoint's is refused (its embeddings follow the
+    # checkpoint's ids) unless this says the ids are the same.
+    c.data.allow_other_tokenizer = False
     c.data.max_train_examples = 0  # keep only the first N training examples (0 = all)
     c.data.max_eval_examples = 0  # keep only the first N evaluation examples (0 = all)
 

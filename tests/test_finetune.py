@@ -14,6 +14,7 @@ import gzip
 import itertools
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from conftest import build_once, run_main, session_dir
 
 from albert_jax import finetune
 from albert_jax.pretrained import load_pretrained
+from albert_jax.sharding import create_mesh
 from albert_jax.tasks import local, squad_eval
 from configs.finetune import TASKS as CONFIG_TASKS
 from configs.finetune import get_config
@@ -494,3 +496,23 @@ def test_init_from_foreign_checkpoints(source, tmp_path, tmp_path_factory, share
     else:
         assert results["num_examples"] == num_eval and 0.0 <= results["accuracy"] <= 1.0
         assert results["step"] == 12
+
+
+def test_init_with_another_tokenizer_is_refused(tmp_path_factory, shared_data, tmp_path):
+    """A data.tokenizer other than the checkpoint's, no larger than its vocabulary, read the
+    pretrained embeddings through unrelated ids without a word."""
+    from albert_jax.data.tokenizer import train_tokenizer
+
+    init = pretrained_workdir(tmp_path_factory, shared_data)
+    other = tmp_path / "other"
+    train_tokenizer(_corpus_texts(shared_data, 10), str(other), 1000, max_sentences=3000)
+    config = small_config("sentiment_rt", init, shared_data)
+    config.data.tokenizer = f"{other}.model"
+    expected = f"config.data.tokenizer='{other}.model' is not the tokenizer of the checkpoint"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        finetune.finetune_and_evaluate(config, str(tmp_path / "run"))
+    config.data.tokenizer = tiny_tokenizer_path(tmp_path_factory, shared_data)  # the same one
+    config.data.allow_other_tokenizer = False
+    spec = finetune.validate_config(config)
+    mesh = create_mesh((-1, 1, 1))
+    assert finetune.FineTuning(config, str(tmp_path / "same"), spec, mesh).tokenizer.vocab_size
