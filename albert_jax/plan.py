@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import math
 import os
 import re
 import time
@@ -105,9 +106,9 @@ def _fine_tuning(config: Any, target: Target) -> tuple[Any, Any, dict[str, Any],
     batch = kind.batch_shapes(rows, int(config.max_seq_length), task)
     model = kind.build_model(model_config, task, config)
     objective = TaskModel.for_plan(config, kind, model, batch, shapes[0] * shapes[1])
-    options = task.num_labels if task.kind == "multiple_choice" else 1  # a sequence each
-    S = int(config.max_seq_length)
-    flops = flops_lib.train_flops_per_step(model_config, rows * options, S, 0,
+    # Sequences of the batch: its rows, times the options of a multiple-choice row [B, C, S].
+    *sequences, S = batch["input_ids"][0]
+    flops = flops_lib.train_flops_per_step(model_config, math.prod(sequences), S, 0,
                                            last_layer_positions=S)  # fmt: skip
     return objective, mesh, batch, flops
 

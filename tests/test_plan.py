@@ -208,6 +208,13 @@ def test_fine_tuning_config_is_planned():
     report = plan.plan(config, plan.make_target("v5litepod-8"))
     assert report["fits"] and report["global_batch"] == 64 and report["seq_len"] == 128
     assert report["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
+    # Multiple choice: a row is 4 sequences (one an option), so 4x the model FLOPs.
+    fields = {k: config[k] for k in ("batch_size", "max_seq_length")}
+    fields.update({f"model.{k}": v for k, v in config.model.items() if v is not None})
+    race = with_fields(finetune_configs.get_config("task=race"), **fields)
+    choice = plan.plan(race, plan.make_target("v5litepod-8"))
+    assert choice["fits"]
+    assert choice["flops_per_device"] == pytest.approx(4 * report["flops_per_device"])
 
 
 def test_max_batch_finds_the_largest_fitting_batch():
