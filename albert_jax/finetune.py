@@ -464,9 +464,10 @@ def finetune_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     workdir = files.absolute(workdir)
     # config.mesh.auto sizes the layout by the `size` preset with config.model's fields (the
     # checkpoint is read later, by the objective); an explicit mesh is checked there too.
-    auto = bool(config.mesh.get("auto", False))
-    preset = model_config(config, None, ModelConfig.preset(config.size).vocab_size)
-    mesh = create_mesh(*mesh_layout(config, preset if auto else None))
+    preset = None
+    if config.mesh.get("auto", False):
+        preset = model_config(config, None, ModelConfig.preset(config.size).vocab_size)
+    mesh = create_mesh(*mesh_layout(config, preset))
     objective = FineTuning(config, workdir, spec, mesh)
     loop = Loop(objective, config, workdir, mesh)
     try:

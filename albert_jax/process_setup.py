@@ -101,9 +101,9 @@ def skip_absent_tpu() -> None:
     """JAX_PLATFORMS=cpu when libtpu is installed but this host has no TPU chip and no other
     accelerator plugin, so that JAX does not try (and log that it failed) to start a TPU
     backend; set before JAX starts one. Left alone when JAX_PLATFORMS is set."""
-    if os.environ.get("JAX_PLATFORMS") or tpu_runtime_usable():
+    if os.environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
         return
-    if importlib.util.find_spec("libtpu") is not None and jax_has_cpu_only():
+    if jax_has_cpu_only():  # no TPU chip here (`tpu_runtime_usable`), no other plugin
         os.environ["JAX_PLATFORMS"] = "cpu"
 
 

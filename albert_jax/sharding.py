@@ -122,21 +122,18 @@ def param_axes(boxed: PyTree) -> dict[str, tuple[tuple[int, ...], tuple[str | No
     return out
 
 
-def _mesh_axes_of(logical: str | None) -> tuple[str, ...]:
-    for name, target in LOGICAL_AXIS_RULES:
-        if name == logical:
-            return () if target is None else (target,) if isinstance(target, str) else target
-    return ()
-
-
 def unshardable(params: ParamAxes, mesh_shape: Sequence[int]) -> list[str]:
     """Why `mesh_shape` (data, fsdp, tensor) cannot shard these params evenly: one line per
-    parameter dimension whose size its mesh axes do not divide (empty: it can)."""
+    parameter dimension whose size its mesh axes do not divide (empty: it can). The logical
+    axes map to mesh axes as the state's shardings do (flax, `LOGICAL_AXIS_RULES`)."""
+    import flax.linen as nn
+
     sizes = dict(zip(MESH_AXES, mesh_shape, strict=True))
     problems = []
     for name, (shape, names) in params.items():
-        for dim, (size, logical) in enumerate(zip(shape, names, strict=True)):
-            axes = _mesh_axes_of(logical)
+        spec = nn.logical_to_mesh_axes(names, LOGICAL_AXIS_RULES)
+        for dim, (size, logical, target) in enumerate(zip(shape, names, spec, strict=True)):
+            axes = () if target is None else (target,) if isinstance(target, str) else target
             split = int(np.prod([sizes[a] for a in axes])) if axes else 1
             if size % split:
                 where = "×".join(f"{a}={sizes[a]}" for a in axes)
