@@ -38,6 +38,9 @@ setup(
         "tensorboard>=2.18",
         "matplotlib>=3.9",  # learning-curve plot written at the end of a run
         "etils[epath]>=1.7",  # workdir I/O on local disks and gs:// alike
+        # The gs:// workdir lease: objects created only if absent (generation preconditions),
+        # which neither epath nor tf.io.gfile can ask for.
+        "google-cloud-storage>=2.18",
     ],
     extras_require={
         "test": [

@@ -47,7 +47,7 @@ import optax
 from absl import logging
 from jax.sharding import Mesh
 
-from albert_jax import checkpointing, files, heads, seeds
+from albert_jax import checkpointing, files, heads, seeds, workdir_lease
 from albert_jax.backbone_init import InitReport, load_checkpoint_weights, merge_pretrained
 from albert_jax.config import ModelConfig
 from albert_jax.finetune_config import (
@@ -459,9 +459,16 @@ def finetune_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     Raises:
       ValueError: a bad config or data (before anything is compiled).
       TrainingDivergedError: a non-finite loss, gradient norm or parameter norm.
+      workdir_lease.WorkdirInUseError: another run holds `workdir` (WORKDIR/run.lease).
     """
     spec = validate_config(config)
     workdir = files.absolute(workdir)
+    with workdir_lease.hold(workdir) as lease:  # one run per workdir, before it is written
+        return _finetune(config, workdir, spec, lease)
+
+
+def _finetune(config: Any, workdir: str, spec: Any, lease: Any) -> dict[str, Any]:
+    """`finetune_and_evaluate` once the config is valid and the workdir leased."""
     # config.mesh.auto sizes the layout by the `size` preset with config.model's fields (the
     # checkpoint is read later, by the objective); an explicit mesh is checked there too.
     preset = None
@@ -469,7 +476,7 @@ def finetune_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
         preset = model_config(config, None, ModelConfig.preset(config.size).vocab_size)
     mesh = create_mesh(*mesh_layout(config, preset))
     objective = FineTuning(config, workdir, spec, mesh)
-    loop = Loop(objective, config, workdir, mesh)
+    loop = Loop(objective, config, workdir, mesh, lease=lease)
     try:
         summary = loop.run()
     finally:

@@ -133,6 +133,8 @@ class Loop:
       workdir: where checkpoints and metrics go (local or gs://).
       mesh: the device mesh; the loop enters it (`jax.set_mesh`) for its whole life.
       peak: (peak FLOP/s of one chip, chips sharing the work) for MFU, or None.
+      lease: the run's `workdir_lease` lease (process 0), checked before every save: a run
+        whose lease another run took over stops instead of overwriting its checkpoints.
     """
 
     def __init__(
@@ -142,8 +144,10 @@ class Loop:
         workdir: str,
         mesh: Mesh,
         peak: tuple[float | None, int] | None = None,
+        lease: Any = None,
     ):
         self.objective, self.config, self.workdir, self.mesh = objective, config, workdir, mesh
+        self.lease = lease
         self.total = objective.total_steps
         self.peak, self.chips = peak or (None, 0)
         # Everything the run opens is closed in reverse order by `close()`, or right here
@@ -336,6 +340,8 @@ class Loop:
                 "checkpoint_step": self.checkpointer.latest_step()}  # fmt: skip
 
     def _save(self, step: int, force: bool) -> None:
+        if self.lease is not None:
+            self.lease.check()
         start = time.perf_counter()
         # Gathering the per-process data states is an explicit, rare transfer.
         with jax.transfer_guard("allow"):

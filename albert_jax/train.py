@@ -27,7 +27,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh
 
-from albert_jax import checkpointing, files, flops, metrics_writer
+from albert_jax import checkpointing, files, flops, metrics_writer, workdir_lease
 from albert_jax.config import ModelConfig, model_config_from
 from albert_jax.loop import Loop, TrainingDivergedError
 from albert_jax.model import AlbertForPreTraining
@@ -82,10 +82,17 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     Raises:
       ValueError: a bad config (before anything is compiled).
       TrainingDivergedError: a non-finite loss, gradient norm or parameter norm.
+      workdir_lease.WorkdirInUseError: another run holds `workdir` (WORKDIR/run.lease).
     """
     layout = validate_config(config)
-    model_config = layout.model_config
     workdir = files.absolute(workdir)
+    with workdir_lease.hold(workdir) as lease:  # one run per workdir, before it is written
+        return _train(config, workdir, layout, lease)
+
+
+def _train(config: Any, workdir: str, layout: Any, lease: Any) -> dict[str, Any]:
+    """`train_and_evaluate` once the config is valid and the workdir leased."""
+    model_config = layout.model_config
     build_sources(config)
     tokenizer = prepare_tokenizer(config, workdir, (config.resume_from, config.init_from))
     if tokenizer.vocab_size != model_config.vocab_size:
@@ -96,7 +103,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
         )
     mesh = create_mesh(layout.mesh_shape, devices=layout.devices)
     objective = Pretraining(config, workdir, model_config, mesh, tokenizer)
-    loop = Loop(objective, config, workdir, mesh, peak=_peak_flops(model_config, mesh))
+    peak = _peak_flops(model_config, mesh)
+    loop = Loop(objective, config, workdir, mesh, peak=peak, lease=lease)
     try:
         result = loop.run()
     finally:

@@ -1,7 +1,7 @@
 """The server side of the tests' Cloud Storage emulator: run as `python tests/gcs_emulator.py`.
 
 It is the real `gcp-storage-emulator` (PyPI) JSON API: its routes, request parsing and object
-handlers, served from our own request handler, with the seven defects that real clients hit
+handlers, served from our own request handler, with the eight defects that real clients hit
 worked around here (none of its installed files is changed):
 
 1. listings ignore `startOffset` / `endOffset` (tensorstore's `delete_range`, Orbax's cleanup,
@@ -16,6 +16,9 @@ worked around here (none of its installed files is changed):
    speaks HTTP/1.1, so http.server answers `100 Continue` (and connections are kept alive).
 6. suffix ranges (`Range: bytes=-N`) return the whole object: `_download` rewrites them.
 7. `buckets.getStorageLayout` and `objects.move` are missing (TF's rename uses them): added.
+8. preconditions (`ifGenerationMatch`) are ignored, so a create-if-absent overwrites (the
+   workdir lease relies on them): `_preconditioned` answers 412 on inserts and deletes whose
+   precondition does not hold (0: the object must not exist).
 
 Besides the plain HTTP port it listens with TLS on a second port, and runs an HTTPS proxy
 that tunnels `CONNECT www.googleapis.com:443` (and the other GCS host names) there: TF has
@@ -233,9 +236,41 @@ def _move(request, response, storage):
     response.json(obj)
 
 
+def _preconditioned(handler):
+    """`handler` (objects.insert or objects.delete) behind the `ifGenerationMatch` check of
+    real GCS: 412 Precondition Failed unless the object's generation is the one named (0: no
+    such object). For resumable uploads the check is made when the upload starts."""
+
+    def checked(request, response, storage, *args, **kwargs):
+        wanted = request.query.get("ifGenerationMatch", [None])[0]
+        if wanted is not None:
+            bucket = request.params["bucket_name"]
+            name = request.params.get("object_id") or request.query.get("name", [None])[0]
+            data = request.data if isinstance(request.data, dict) else {}
+            name = name or data.get("meta", {}).get("name") or data.get("name")
+            current = storage.objects.get(bucket, {}).get(name)
+            generation = str(current["generation"]) if current else "0"
+            if generation != str(wanted):
+                return _error(
+                    response,
+                    HTTPStatus.PRECONDITION_FAILED,
+                    f"At least one of the pre-conditions you specified did not hold "
+                    f"(generation {generation}, wanted {wanted})",
+                )
+        return handler(request, response, storage, *args, **kwargs)
+
+    return checked
+
+
 _API = re.escape(settings.API_ENDPOINT)
 _BUCKET = r"(?P<bucket_name>[-.\w]+)"
-_REPLACED = {objects.ls: _list_objects, objects.download: _download, objects.get: _get}
+_REPLACED = {
+    objects.ls: _list_objects,
+    objects.download: _download,
+    objects.get: _get,
+    objects.insert: _preconditioned(objects.insert),
+    objects.delete: _preconditioned(objects.delete),
+}
 ROUTES = [
     (re.compile(rf"^{_API}/b/{_BUCKET}/storageLayout$"), {"GET": _storage_layout}),
     (
@@ -316,7 +351,8 @@ class _Handler(server.RequestHandler):
                     request.set_match(match)
                     handler = handlers.get(method)
                     if handler is None and method == "POST" and request.query.get("uploadType"):
-                        handler = objects.insert  # uploads POSTed without the /upload prefix
+                        # uploads POSTed without the /upload prefix
+                        handler = _REPLACED[objects.insert]
                     break
             if handler is None:
                 _error(response, HTTPStatus.NOT_IMPLEMENTED, f"{method} {request.path}")

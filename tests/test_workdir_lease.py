@@ -1,0 +1,182 @@
+"""One run per workdir (#58 case 1): the lease, locally and on the gs:// emulator.
+
+Two real pretraining processes on one workdir: the second is refused at once, naming the
+first, and the first finishes with only its own checkpoints, metrics and config. The lease's
+own rules (release, a dead holder, a stale or stolen lease, a missing bucket) are tested on
+the lease with real processes holding it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from test_train import REPO, small_overrides, tiny_command
+
+from albert_jax import checkpointing, files, metrics_writer, workdir_lease
+
+# A process that takes the lease of argv[1], says so, and waits (to be killed).
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from albert_jax import workdir_lease
+    lease = workdir_lease.acquire(sys.argv[1])
+    print("held", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _holder(workdir: str, env: dict | None = None) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, workdir],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = proc.stdout.readline()
+    assert line.strip() == "held", proc.stderr.read()
+    return proc
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(params=["local", "gs"])
+def workdir(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "run")
+    gcs = request.getfixturevalue("gcs")
+    return gcs.url(f"lease/{request.node.name}/{time.monotonic_ns()}")
+
+
+def test_a_held_workdir_is_refused_naming_the_holder_then_released(workdir):
+    holder = _holder(workdir)
+    try:
+        with pytest.raises(workdir_lease.WorkdirInUseError) as refused:
+            workdir_lease.acquire(workdir)
+        assert f"in use by pid {holder.pid} on " in str(refused.value)
+        assert workdir in str(refused.value)
+    finally:
+        holder.terminate()
+        holder.wait(timeout=30)
+    # A process that ends lets the next run in: the kernel drops a lock; a gs:// lease of a
+    # dead process on this host is taken over without waiting for it to go stale.
+    lease = workdir_lease.acquire(workdir)
+    lease.release()
+    workdir_lease.acquire(workdir).release()  # released means free again
+
+
+def test_a_killed_holder_does_not_block_the_next_run(workdir):
+    _kill(_holder(workdir))
+    workdir_lease.acquire(workdir).release()
+
+
+def test_a_stale_gcs_lease_is_taken_over_and_its_old_holder_stops(gcs):
+    workdir = gcs.url(f"lease/stale/{time.monotonic_ns()}")
+    first = workdir_lease.acquire(workdir, renew_every_s=0.2, stale_after_s=1.0)
+    first.check()
+    # Alive and renewing: a second run is refused, and told when a dead one would go stale.
+    with pytest.raises(workdir_lease.WorkdirInUseError, match="taken over automatically"):
+        workdir_lease.acquire(workdir, stale_after_s=1.0)
+    first._stop.set()  # its renewals stop (a run hung, or cut off from the bucket)
+    first._thread.join()
+    time.sleep(1.5)
+    second = workdir_lease.acquire(workdir, renew_every_s=0.2, stale_after_s=1.0)
+    # The first run's next renewal finds the lease rewritten by another run: it stops.
+    first.renew()
+    with pytest.raises(workdir_lease.WorkdirInUseError, match="was taken over by pid"):
+        first.check()
+    first.release()
+    second.check()
+    second.release()
+
+
+def test_a_gcs_lease_taken_over_is_noticed_by_its_holder(gcs):
+    workdir = gcs.url(f"lease/stolen/{time.monotonic_ns()}")
+    first = workdir_lease.acquire(workdir, renew_every_s=0.2)
+    lease_object = f"lease/stolen/{workdir.rsplit('/', 1)[1]}/{workdir_lease.LEASE_FILE}"
+    gcs.delete(lease_object)  # what the refusal says to do about a dead run, done wrongly
+    second = workdir_lease.acquire(workdir)
+    deadline = time.monotonic() + 10
+    while first._lost is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(workdir_lease.WorkdirInUseError, match="was taken over by pid"):
+        first.check()
+    first.release()  # must not delete the new holder's lease
+    assert gcs.exists(lease_object)
+    second.release()
+    assert not gcs.exists(lease_object)
+
+
+def _pretraining(corpus, workdir, env, **extra):
+    overrides = small_overrides(corpus, num_train_steps=100_000, checkpoint_every_steps=4, **extra)
+    args, run_env = tiny_command(workdir, overrides, 8, **env)
+    return args, run_env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["local", "gs"])
+def test_two_runs_on_one_workdir(where, corpus, tmp_path, request):
+    """The probe's case: the same command twice (seeds 0 and 1) on one workdir. The second
+    exits at once naming the first; the first trains on, saves when stopped and keeps only
+    its own checkpoints, metrics and config."""
+    env = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    if where == "gs":
+        gcs = request.getfixturevalue("gcs")
+        workdir = gcs.url(f"lease/two_runs/{time.monotonic_ns()}")
+        env.update(gcs.env)
+    else:
+        workdir = str(tmp_path / "run")
+    args, run_env = _pretraining(corpus, workdir, env, seed=0)
+    first = subprocess.Popen(args, cwd=REPO, env=run_env, stderr=subprocess.PIPE, text=True)
+    try:
+        # Training has started when the first metrics line is there.
+        deadline = time.monotonic() + 300
+        while not metrics_writer.read_metrics(workdir):
+            assert first.poll() is None, first.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the first run did not start training"
+            time.sleep(0.5)
+        args, run_env = _pretraining(corpus, workdir, env, seed=1)
+        started = time.monotonic()
+        second = subprocess.run(
+            args, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=120
+        )
+        assert second.returncode != 0
+        assert f"is in use by pid {first.pid} on " in second.stderr, second.stderr[-3000:]
+        assert time.monotonic() - started < 60  # refused at once, not after building anything
+        assert first.poll() is None  # the first run goes on
+    finally:
+        first.send_signal(signal.SIGTERM)  # a preemption: it saves at a step boundary
+        _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+    run_config = files.read_json(files.as_path(workdir) / "config.json")
+    assert run_config["seed"] == 0
+    steps = [r["step"] for r in metrics_writer.read_metrics(workdir)]
+    assert steps == list(range(1, len(steps) + 1))  # one run's lines, in order, once each
+    with checkpointing.Checkpointer(workdir, read_only=True) as ckpt:
+        assert ckpt.latest_step() >= steps[-1] - 1
+    if where == "local":  # released: a lock nobody holds; on gs:// the lease object is gone
+        workdir_lease.acquire(workdir).release()
+    else:
+        assert not gcs.exists(workdir.split("/", 3)[3] + "/" + workdir_lease.LEASE_FILE)
+
+
+def test_a_missing_bucket_is_an_error_at_start_naming_it(gcs, corpus):
+    """#58 case 8: this used to hang for ever (TF's recursive mkdir retrying)."""
+    args, env = tiny_command("gs://no-such-bucket-albert/run", small_overrides(corpus), 1)
+    proc = subprocess.run(
+        args, cwd=REPO, env={**env, **gcs.env}, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode != 0
+    assert "bucket gs://no-such-bucket-albert does not exist" in proc.stderr, proc.stderr[-3000:]
+    assert not os.path.exists("gs:")
