@@ -289,6 +289,9 @@ class Loop:
                     "checkpoint_step": self.checkpointer.latest_step()}  # fmt: skip
         sigterm_after = int(config_field(self.config, "debug.sigterm_after_step", 0))
         sigkill_after_save = int(config_field(self.config, "debug.sigkill_after_save_at_step", 0))
+        sigkill_after_commit = int(
+            config_field(self.config, "debug.sigkill_after_commit_at_step", 0)
+        )
         single_process = jax.process_count() == 1
         # Single process: SIGTERM sets a flag read at step boundaries. Several: JAX's
         # preemption service owns SIGTERM and the processes agree on the save step (Orbax).
@@ -315,17 +318,27 @@ class Loop:
                 preempted = signal_flag is not None and signal_flag.requested
                 save = preempted or step == total or self.checkpointer.should_save(step)
                 if save or self._eval_due(step):
-                    # Never checkpoint or evaluate a state not checked finite; save first, so
-                    # that a failing evaluation cannot lose the trained state.
+                    # Never checkpoint or evaluate a state not checked finite. The step's
+                    # record (with its evaluation) is on disk before its checkpoint can
+                    # commit: a resume continues after that step and would never write it.
                     values = self._check(pending)
-                    if save:
-                        self._save(step, force=preempted or step == total)
+                    force = preempted or step == total
                     if self._eval_due(step):
-                        pending.eval = self._evaluate(self.state.params)
+                        try:
+                            pending.eval = self._evaluate(self.state.params)
+                        except BaseException:
+                            if save:  # a failing evaluation must not lose the trained state
+                                self._save(step, force=force)
+                            raise
                     self._log(pending, values)
                     pending = None
-                    if save and step == sigkill_after_save:
-                        os.kill(os.getpid(), signal.SIGKILL)
+                    if save:
+                        self._save(step, force=force)
+                        if step == sigkill_after_save:
+                            os.kill(os.getpid(), signal.SIGKILL)
+                        if step == sigkill_after_commit:
+                            self.checkpointer.wait()
+                            os.kill(os.getpid(), signal.SIGKILL)
                 if not single_process and self.checkpointer.reached_preemption(step):
                     preempted = True
                 if preempted:

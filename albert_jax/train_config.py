@@ -36,7 +36,12 @@ KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
         "sop_single_segment", "num_shards",
     ),
     "mesh": ("data", "fsdp", "tensor", "auto"),
-    "debug": ("sigterm_after_step", "sigkill_after_save_at_step", "nan_at_step"),
+    "debug": (
+        "sigterm_after_step",
+        "sigkill_after_save_at_step",
+        "sigkill_after_commit_at_step",
+        "nan_at_step",
+    ),
 }  # fmt: skip
 OBJECTIVES = ("sop", "nsp", "none")
 RUN_CONFIG_FILE = "config.json"

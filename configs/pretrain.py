@@ -144,6 +144,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.debug = ml_collections.ConfigDict()
     c.debug.sigterm_after_step = 0  # process 0 sends itself SIGTERM after this step
     c.debug.sigkill_after_save_at_step = 0  # SIGKILL right after this step's async save starts
+    c.debug.sigkill_after_commit_at_step = 0  # SIGKILL right after this step's save commits
     c.debug.nan_at_step = 0  # this step's batch gets NaN loss weights (divergence handling)
     return c
 

@@ -188,6 +188,26 @@ def test_sigkill_during_async_save_resumes_from_previous_checkpoint(interrupted_
     assert "resumed at step 4" in resumed.stderr
 
 
+def test_a_kill_right_after_a_commit_keeps_that_steps_metrics(corpus, tmp_path):
+    """#58 case 3: the record of a checkpointed step (train and eval metrics) is written
+    before its checkpoint commits; it used to follow the save (and the evaluation), so a
+    crash in between lost it for good: the resume continues after that step."""
+    workdir = str(tmp_path / "run")
+    base = small_overrides(
+        corpus, num_train_steps=4, checkpoint_every_steps=2, eval_every_steps=2, eval_batches=1
+    )
+    killed = run_tiny(workdir, {**base, "debug.sigkill_after_commit_at_step": 2})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-4000:]
+    assert final_steps(workdir) == [2]
+    records = {r["step"]: r for r in metrics_writer.read_metrics(workdir)}
+    assert sorted(records) == [1, 2] and "eval_loss" in records[2]
+    resumed = run_tiny(workdir, base)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    records = {r["step"]: r for r in metrics_writer.read_metrics(workdir)}
+    assert sorted(records) == [1, 2, 3, 4]
+    assert "eval_loss" in records[2] and "eval_loss" in records[4]
+
+
 def test_resume_is_bit_exact(interrupted_runs):
     assert interrupted_runs["resume_proc"].returncode == 0
     straight, chain = interrupted_runs["straight"], interrupted_runs["chain"]
