@@ -105,6 +105,7 @@ class FineTuning(TaskModel):
 
     def __init__(self, config: Any, workdir: str, spec: TaskSpec, mesh: Mesh):
         self.config, self.workdir, self.spec = config, workdir, spec
+        self.task = str(config.task)
         self.kind = get_kind(spec.kind)
         check_batch("batch_size", config.batch_size, mesh)
         check_batch("eval_batch_size", config.eval_batch_size, mesh)

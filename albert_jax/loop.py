@@ -69,6 +69,7 @@ class Objective(Protocol):
     final_eval: bool  # evaluate after the last step (at once if nothing is left to train)
     eval_reduces: bool  # eval_fn returns sums over the batch (replicated), not rows
     model_config: Any  # the `ModelConfig` saved with every checkpoint
+    task: str | None  # the fine-tuning task (saved in `meta` as "task"); None: pretraining
 
     def init_variables(self, rng: jax.Array) -> PyTree:
         """The boxed (logical-axis annotated) params tree of a random init."""
@@ -230,6 +231,7 @@ class Loop:
     def _check_resumable(self, path: str, step: int, data: Any, meta: Any) -> None:
         """Refuses a checkpoint of another model (before its arrays are read: they would not
         fit) and one whose data state the objective cannot continue."""
+        self._check_same_task(path, step, meta)
         saved = meta.get("model_config") if isinstance(meta, Mapping) else None
         differ = self.objective.model_config.architecture_differences(saved or {})
         if isinstance(saved, Mapping) and differ:
@@ -239,6 +241,27 @@ class Loop:
                 "config.model.*, size) or use a new --workdir"
             )
         self.objective.check_resume(data, step)
+
+    def _check_same_task(self, path: str, step: int, meta: Any) -> None:
+        """Refuses checkpoints of another kind of run (pretraining / a fine-tuning task),
+        naming both and the way that keeps them: they are healthy, only not this run's."""
+        if not isinstance(meta, Mapping):
+            return
+        saved, ours = meta.get("task"), self.objective.task
+        if saved == ours:
+            return
+        what = f"fine-tuning run of task {saved!r}" if saved else "pretraining run"
+        this = f"fine-tunes task {ours!r}" if ours else "pretrains"
+        if ours and not saved:
+            fix = f"to fine-tune from it, pass --config.init={path} and a new --workdir"
+        elif ours:
+            fix = f"use a new --workdir (or --config.task={saved} to continue that run)"
+        else:
+            fix = "pretrain into a new --workdir"
+        raise ValueError(
+            f"cannot resume {path} at step {step}: it holds the checkpoints of a {what}, and "
+            f"this config {this}; {fix}. Its checkpoints are fine: leave them in place"
+        )
 
     # --------------------------------------------------------------------------- evaluation
     def put(self, local_batch: Batch, global_batch: int) -> dict[str, jax.Array]:

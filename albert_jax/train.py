@@ -139,6 +139,7 @@ class Pretraining(PretrainingModel):
     sharded training stream, a fixed held-out set and params-only init."""
 
     final_eval = False  # evaluation only every `eval_every_steps` (and then at the end)
+    task = None  # not a fine-tuning task
     eval_reduces = True  # eval_fn returns weighted sums over the batch
 
     def __init__(

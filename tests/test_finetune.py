@@ -516,3 +516,37 @@ def test_init_with_another_tokenizer_is_refused(tmp_path_factory, shared_data, t
     spec = finetune.validate_config(config)
     mesh = create_mesh((-1, 1, 1))
     assert finetune.FineTuning(config, str(tmp_path / "same"), spec, mesh).tokenizer.vocab_size
+
+
+def test_a_workdir_of_another_run_kind_is_refused_naming_both(
+    tmp_path_factory, shared_data, tmp_path
+):
+    """#58: fine-tuning into a pretraining workdir was refused with advice to delete its
+    (healthy) checkpoints, and a task change on resume named only a data fingerprint."""
+    pretraining = str(tmp_path / "pretraining")
+    shutil.copytree(pretrained_workdir(tmp_path_factory, shared_data), pretraining)
+    config = small_config("sentiment_rt", pretraining, shared_data)
+    expected = (
+        f"cannot resume {pretraining} at step 60: it holds the checkpoints of a pretraining "
+        f"run, and this config fine-tunes task 'sentiment_rt'; to fine-tune from it, pass "
+        f"--config.init={pretraining} and a new --workdir. Its checkpoints are fine"
+    )
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        finetune.finetune_and_evaluate(config, pretraining)
+
+    sentiment = str(tmp_path / "sentiment")
+    shutil.copytree(sentiment_tiny_run(tmp_path_factory, shared_data), sentiment)
+    spm = tiny_tokenizer_path(tmp_path_factory, shared_data)
+    train, dev = task_files(shared_data, "nli_vitaminc")
+    config = tiny_scratch_config(
+        "nli_vitaminc", spm,
+        **{"data.train_files": train, "data.eval_files": dev, "data.max_train_examples": 64,
+           "data.max_eval_examples": 32},
+    )  # fmt: skip
+    expected = (
+        "it holds the checkpoints of a fine-tuning run of task 'sentiment_rt', and this config "
+        "fine-tunes task 'nli_vitaminc'; use a new --workdir (or --config.task=sentiment_rt to "
+        "continue that run)"
+    )
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        finetune.finetune_and_evaluate(config, sentiment)
