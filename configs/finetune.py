@@ -76,7 +76,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # --- data
     c.data = ml_collections.ConfigDict()
     c.data.train_files = ""  # local tasks / SQuAD JSON: path, glob or comma-separated list
-    c.data.eval_files = ""  # idem for evaluation
+    # Idem for evaluation: one eval set, its ids unique across the files (predictions.jsonl's
+    # "eval_set" names each example's file).
+    c.data.eval_files = ""
     c.data.data_dir = ml_collections.FieldReference(None, field_type=str)  # TFDS data dir
     c.data.train_split = "train"  # TFDS split to train on
     c.data.eval_split = "validation"  # TFDS split(s) to evaluate on (comma-separated)
@@ -85,8 +87,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # A data.tokenizer other than the init checkpoint's is refused (its embeddings follow the
     # checkpoint's ids) unless this says the ids are the same.
     c.data.allow_other_tokenizer = False
-    c.data.max_train_examples = 0  # keep only the first N training examples (0 = all)
-    c.data.max_eval_examples = 0  # keep only the first N evaluation examples (0 = all)
+    # Keep N examples (0 = all): a random N, the same in every run (seed 0, not config.seed), in
+    # file order; not the first N, which a file sorted by label would make one class (SQuAD:
+    # N questions). tasks/registry.subset.
+    c.data.max_train_examples = 0
+    c.data.max_eval_examples = 0
 
     # --- featurization
     c.max_seq_length = 512  # tokens per sequence (per option for multiple choice)

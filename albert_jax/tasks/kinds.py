@@ -157,8 +157,14 @@ class TaskKind(abc.ABC):
         self, workdir: str, suffix: str, eval_set: EvalSet, predictions: Any
     ) -> list[str]:
         """Writes `predictions{suffix}.jsonl`: one {"id", "prediction", "label", "eval_set"}
-        line per example (the records of `score`). Returns the paths written."""
-        lines = [json.dumps({**record, "eval_set": eval_set.name}) + "\n" for record in predictions]
+        line per example (the records of `score`, in example order), "eval_set" naming the
+        file (or TFDS split) the example was read from, not the set's list of files, so that
+        each line traces back to its file. Returns the paths written."""
+        sources = eval_set.example_sources()
+        lines = [
+            json.dumps({**record, "eval_set": source}) + "\n"
+            for record, source in zip(predictions, sources, strict=True)
+        ]
         path = _join(workdir, f"predictions{suffix}.jsonl")
         files.write_atomic(path, "".join(lines))
         return [path]

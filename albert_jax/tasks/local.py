@@ -20,10 +20,14 @@ file that is truncated or not UTF-8, a JSON Lines file without one UTF-8 line) r
 ValueError naming the file, the line and the reason.
 
 The files may be local or on gs://, and gzip'ed (detected from the content, not the file name).
+A JSON Lines record's id is `<file stem>-<line index>` (dev.jsonl line 3: `dev-2`); when several
+files of a set share a name, `read_files` names them by their folders too (`a/dev-2`,
+`b/dev-2`), so that ids stay unique across the set and say which file each record is from.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -80,12 +84,32 @@ def _file_name(path: PathLike) -> str:
     return os.fspath(path).rpartition("/")[2]
 
 
-def _file_stem(path: PathLike) -> str:
-    """dev.jsonl.gz → dev: the prefix of record ids."""
-    name = _file_name(path)
+def _without_suffixes(name: str) -> str:
+    """dev.jsonl.gz → dev, a/dev.jsonl → a/dev: the prefix of record ids."""
     for suffix in (".gz", ".jsonl", ".json"):
         name = name.removesuffix(suffix)
     return name
+
+
+def file_names(paths: Sequence[PathLike]) -> list[str]:
+    """What the records of each of a set's files call it (ids, bad-record locations): its file
+    name; files whose names without suffixes are the same (x/a/dev.jsonl, x/b/dev.jsonl) with
+    the fewest trailing folders that tell them apart (a/dev.jsonl, b/dev.jsonl). Two that differ
+    in suffixes only (x/dev.jsonl, x/dev.jsonl.gz) keep their paths, and their ids collide."""
+    parts = [os.fspath(p).split("/") for p in paths]
+    by_stem: dict[str, list[int]] = collections.defaultdict(list)
+    for i, p in enumerate(parts):
+        by_stem[_without_suffixes(p[-1])].append(i)
+    names = [p[-1] for p in parts]
+    for group in (g for g in by_stem.values() if len(g) > 1):
+        for i in group:
+            folders, k = parts[i][:-1], 1
+            while k < len(folders) and any(
+                parts[j][-1 - k : -1] == folders[-k:] for j in group if j != i
+            ):
+                k += 1
+            names[i] = "/".join(parts[i][-1 - k :])
+    return names
 
 
 def read_json(path: PathLike) -> Any:
@@ -119,16 +143,19 @@ def read_json(path: PathLike) -> Any:
         ) from e
 
 
-def _jsonl_records(path: PathLike, stats: ReadStats) -> Iterator[tuple[str, str, dict]]:
+def _jsonl_records(
+    path: PathLike, stats: ReadStats, name: str | None = None
+) -> Iterator[tuple[str, str, dict]]:
     """Yields (id, location, record) for every JSON object line; counts the lines that are not
-    (`bad_utf8`, `invalid_json`, `not_an_object`).
+    (`bad_utf8`, `invalid_json`, `not_an_object`). name: what ids and locations call the file
+    (`file_names`; default: its file name).
 
     Raises:
       ValueError: naming the file when it has lines but none of them is UTF-8 (a binary file,
         or text in another encoding): skipping them all would only hide that.
     """
-    stem = _file_stem(path)
-    base = _file_name(path)
+    base = name or _file_name(path)
+    stem = _without_suffixes(base)
     decoded, undecodable, first_undecodable = 0, 0, 0
     # Lines are decoded one by one (not through a text stream) so that one undecodable byte
     # costs its line only, counted like any other bad record, instead of ending the read.
@@ -197,11 +224,17 @@ def _float_field(record: dict, name: str) -> float:
     return float(value)
 
 
-def _read_jsonl(path: PathLike, parse: Callable[[str, dict], Any], stats: ReadStats | None) -> list:
-    """Applies parse(id, record) to each line of a JSON Lines file; skips and counts bad ones."""
+def _read_jsonl(
+    path: PathLike,
+    parse: Callable[[str, dict], Any],
+    stats: ReadStats | None,
+    name: str | None = None,
+) -> list:
+    """Applies parse(id, record) to each line of a JSON Lines file; skips and counts bad ones.
+    name: what ids and locations call the file (`file_names`; default: its file name)."""
     file_stats = ReadStats()
     examples = []
-    for example_id, where, record in _jsonl_records(path, file_stats):
+    for example_id, where, record in _jsonl_records(path, file_stats, name):
         try:
             examples.append(parse(example_id, record))
         except BadRecordError as bad:
@@ -215,7 +248,7 @@ def _read_jsonl(path: PathLike, parse: Callable[[str, dict], Any], stats: ReadSt
 
 # ----------------------------------------------------------------------------- readers
 def read_sentiment_rt(
-    path: PathLike, *, stats: ReadStats | None = None
+    path: PathLike, *, stats: ReadStats | None = None, name: str | None = None
 ) -> list[ClassificationExample]:
     """sentiment_rt lines {"sentence", "label" 0|1} → ClassificationExample(label=int)."""
 
@@ -226,11 +259,11 @@ def read_sentiment_rt(
             raise BadRecordError("label_out_of_range")
         return ClassificationExample(example_id, sentence, None, label)
 
-    return _read_jsonl(path, parse, stats)
+    return _read_jsonl(path, parse, stats, name)
 
 
 def read_sentiment_rt_score(
-    path: PathLike, *, stats: ReadStats | None = None
+    path: PathLike, *, stats: ReadStats | None = None, name: str | None = None
 ) -> list[ClassificationExample]:
     """sentiment_rt lines {"sentence", "score"} → ClassificationExample(label=float score).
 
@@ -242,11 +275,11 @@ def read_sentiment_rt_score(
         sentence = _text_field(record, "sentence")
         return ClassificationExample(example_id, sentence, None, _float_field(record, "score"))
 
-    return _read_jsonl(path, parse, stats)
+    return _read_jsonl(path, parse, stats, name)
 
 
 def read_nli_vitaminc(
-    path: PathLike, *, stats: ReadStats | None = None
+    path: PathLike, *, stats: ReadStats | None = None, name: str | None = None
 ) -> list[ClassificationExample]:
     """nli_vitaminc lines {"premise", "hypothesis", "label": name} → index in VITAMINC_LABELS."""
 
@@ -258,11 +291,15 @@ def read_nli_vitaminc(
             raise BadRecordError("unknown_label")
         return ClassificationExample(example_id, premise, hypothesis, VITAMINC_LABELS.index(label))
 
-    return _read_jsonl(path, parse, stats)
+    return _read_jsonl(path, parse, stats, name)
 
 
 def read_mc_cosmosqa(
-    path: PathLike, *, stats: ReadStats | None = None, num_choices: int = DEFAULT_NUM_CHOICES
+    path: PathLike,
+    *,
+    stats: ReadStats | None = None,
+    name: str | None = None,
+    num_choices: int = DEFAULT_NUM_CHOICES,
 ) -> list[MultipleChoiceExample]:
     """mc_cosmosqa lines {"context", "question", "options", "label"} → MultipleChoiceExample.
 
@@ -299,7 +336,7 @@ def read_mc_cosmosqa(
             label=label,
         )
 
-    return _read_jsonl(path, parse, stats)
+    return _read_jsonl(path, parse, stats, name)
 
 
 def _nearest_occurrence(context: str, text: str, near: int) -> int:
@@ -345,19 +382,25 @@ def _squad_answers(
 
 
 def read_squad(
-    path: PathLike, *, stats: ReadStats | None = None, relocate_answers: bool = True
+    path: PathLike,
+    *,
+    stats: ReadStats | None = None,
+    name: str | None = None,
+    relocate_answers: bool = True,
 ) -> list[SpanExample]:
     """A SQuAD v1.1 or v2.0 JSON file (gzip'ed or not) → one SpanExample per question.
 
     v2.0 questions with `is_impossible: true` get no answers. An answer whose answer_start does
     not point at its text is moved to the nearest occurrence of the text in the context
     (relocate_answers=True) or dropped; a question left without answers that is not impossible
-    is skipped. Question ids must be unique (predictions are keyed by them).
+    is skipped. Question ids must be unique (predictions are keyed by them): a repeated one is
+    skipped (registry checks them across the files of an eval set). name: what bad-record
+    locations call the file (default: its file name).
     """
     dataset = read_json(path)
     if not isinstance(dataset, dict) or not isinstance(dataset.get("data"), list):
         raise ValueError(f"{os.fspath(path)}: not SQuAD JSON: expected a top-level 'data' list")
-    base = _file_name(path)
+    base = name or _file_name(path)
     file_stats = ReadStats()
     examples: list[SpanExample] = []
     seen_ids: set[str] = set()
@@ -454,8 +497,17 @@ def read_task(
     that matches no file)."""
     if name not in TASKS:
         raise ValueError(f"task: unknown local task {name!r}; known: {sorted(TASKS)}")
-    reader = TASKS[name].reader
-    examples: list = []
-    for path in expand_paths(paths):
-        examples.extend(reader(path, stats=stats))
-    return examples
+    per_file = read_files(TASKS[name].reader, expand_paths(paths), stats=stats)
+    return [example for _, examples in per_file for example in examples]
+
+
+def read_files(
+    reader: Callable[..., list], paths: Sequence[PathLike], *, stats: ReadStats | None = None
+) -> list[tuple[str, list]]:
+    """(path, records) of each file, in order, read by `reader` (a TASKS reader or read_squad)
+    under its `file_names` name: the JSON Lines ids of files that share a name still differ."""
+    names = file_names(paths)
+    return [
+        (os.fspath(path), reader(path, stats=stats, name=name))
+        for path, name in zip(paths, names, strict=True)
+    ]

@@ -7,13 +7,23 @@ names to a kind, a label count, a source and metric names, and reads the example
 Sources: local files (`config.data.train_files / eval_files`), or the TFDS catalog
 (`glue/*`, `squad/*`, `race/*` from `config.data.data_dir`); squad_v1 / squad_v2 read SQuAD
 JSON files instead when files are given.
+
+All the files of `config.data.eval_files` form one eval set, scored together, so their example
+ids must be unique across the set (predictions are keyed by them): a SQuAD question id in two
+files is a ValueError naming both (JSON Lines ids already differ: tasks/local.py). Each example
+remembers its file (`EvalSet.sources`), which its line of predictions.jsonl names.
+
+`max_train_examples` / `max_eval_examples` = N keep a random N of the examples (`subset`).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from albert_jax import files as file_io
 from albert_jax import process_setup
@@ -21,7 +31,9 @@ from albert_jax.tasks import glue, local, race, squad
 from albert_jax.tasks.batching import Features
 from albert_jax.tasks.kinds import get_kind
 
-__all__ = ["TaskSpec", "TASKS", "get_task", "EvalSet", "read_train", "read_eval", "featurize"]
+__all__ = [
+    "TaskSpec", "TASKS", "get_task", "EvalSet", "subset", "read_train", "read_eval", "featurize",
+]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,37 +90,91 @@ def get_task(name: str) -> TaskSpec:
 
 @dataclasses.dataclass
 class EvalSet:
-    """One evaluation set: its examples, where they came from (for SQuAD: the evaluator's
-    JSON) and the read statistics."""
+    """One evaluation set: its examples [N], where they came from (`name`: the files joined
+    by commas, or the TFDS split; `sources` [N]: each example's file, None when all come from
+    `name`; for SQuAD: the evaluator's JSON) and the read statistics."""
 
     name: str
     examples: list
     stats: local.ReadStats
     squad_json: dict[str, Any] | None = None
+    sources: list[str] | None = None
+
+    def example_sources(self) -> list[str]:
+        """[N]: the file (or TFDS split) each example was read from."""
+        if self.sources is None:
+            return [self.name] * len(self.examples)
+        return self.sources
 
 
-def _limit(examples: list, max_examples: int) -> list:
-    return examples[:max_examples] if max_examples > 0 else examples
+# Fixed, not config.seed: runs with different seeds (and a resumed run) keep the same examples,
+# so that their scores compare.
+SUBSET_SEED = 0
 
 
-def _read(name: str, data: Any, files: str, split: str, max_examples: int) -> EvalSet:
-    """Examples of one file set (local / SQuAD JSON) or one TFDS split; span kinds also get
-    the evaluator's JSON (`EvalSet.squad_json`)."""
+def subset(count: int, max_examples: int) -> np.ndarray:
+    """Indices [min(count, max_examples)] of the examples that max_examples > 0 keeps out of
+    `count` (all of them for 0): a random choice without replacement from
+    np.random.default_rng(SUBSET_SEED), in file order. Not the first N: files sorted by label
+    (or topic, or source) would give a one-class subset."""
+    if max_examples <= 0 or max_examples >= count:
+        return np.arange(count)
+    chosen = np.random.default_rng(SUBSET_SEED).choice(count, size=max_examples, replace=False)
+    return np.sort(chosen)
+
+
+def _unique_ids(per_file: list[tuple[str, list]], field: str) -> None:
+    """Raises a ValueError naming both files and the id when an example id is in two files of
+    an eval set: one's predictions would overwrite the other's, scored as one."""
+    first_file: dict[str, str] = {}
+    for path, examples in per_file:
+        for example in examples:
+            other = first_file.setdefault(example.id, path)
+            if other != path:
+                raise ValueError(
+                    f"config.data.{field}: id {example.id!r} is in both {other} and {path}; "
+                    "the files of an eval set are scored together, keyed by id, so ids must "
+                    "be unique across them: give the examples distinct ids, or evaluate each "
+                    "file in a run of its own"
+                )
+
+
+def _read_files(
+    name: str, files: str, field: str, stats: local.ReadStats
+) -> tuple[list[str], list, list[str]]:
+    """(paths, examples [N], each example's path [N]) of the files `files` (config.data.<field>);
+    the files of an eval set must have unique ids."""
+    spec = get_task(name)
+    if spec.source not in ("local", "squad"):
+        raise ValueError(
+            f"config.data.{field} is set but task {name!r} reads the TFDS catalog; unset "
+            "the files or pick a local task"
+        )
+    paths = file_io.expand(files, f"config.data.{field}")
+    if field == "eval_files":
+        # One file twice would pass the id check (each id from one file) and count twice.
+        repeated = [p for p, n in collections.Counter(paths).items() if n > 1]
+        if repeated:
+            raise ValueError(f"config.data.{field} lists {repeated[0]} more than once")
+    reader = local.read_squad if spec.source == "squad" else local.TASKS[name].reader
+    per_file = local.read_files(reader, paths, stats=stats)
+    if field == "eval_files":  # training has no predictions: repeated ids do no harm there
+        _unique_ids(per_file, field)
+    examples = [e for _, file_examples in per_file for e in file_examples]
+    sources = [path for path, file_examples in per_file for _ in file_examples]
+    return paths, examples, sources
+
+
+def _read(name: str, data: Any, files: str, field: str, split: str, max_examples: int) -> EvalSet:
+    """Examples of one file set (local / SQuAD JSON: config.data.<field>) or one TFDS split,
+    `subset` to max_examples; span kinds also get the evaluator's JSON (`EvalSet.squad_json`)."""
     spec = get_task(name)
     squad_version = get_kind(spec.kind).squad_version
     stats = local.ReadStats()
     squad_dataset = None
+    sources = None
     if files:
-        if spec.source not in ("local", "squad"):
-            raise ValueError(
-                f"config.data.*_files is set but task {name!r} reads the TFDS catalog; unset "
-                "the files or pick a local task"
-            )
-        paths = file_io.expand(files)
-        if spec.source == "squad":
-            examples = [e for p in paths for e in local.read_squad(p, stats=stats)]
-        else:
-            examples = local.read_task(name, paths, stats=stats)
+        paths, examples, sources = _read_files(name, files, field, stats)
         if squad_version and len(paths) == 1 and max_examples <= 0:
             squad_dataset = local.read_json(paths[0])  # score against the file itself
         label = ",".join(paths)
@@ -128,10 +194,12 @@ def _read(name: str, data: Any, files: str, split: str, max_examples: int) -> Ev
             levels = [x.strip() for x in data.get("race_levels", "middle,high").split(",")]
             examples = race.read_race(split, levels=levels, data_dir=data_dir, stats=stats)
         label = split
-    examples = _limit(examples, max_examples)
-    if squad_version and squad_dataset is None:
+    kept = subset(len(examples), max_examples)
+    examples = [examples[i] for i in kept]
+    sources = None if sources is None else [sources[i] for i in kept]
+    if squad_version and squad_dataset is None:  # the kept questions, or those of several files
         squad_dataset = squad.squad_json(examples, squad_version)
-    return EvalSet(label, examples, stats, squad_dataset)
+    return EvalSet(label, examples, stats, squad_dataset, sources)
 
 
 def read_train(name: str, data: Mapping[str, Any]) -> EvalSet:
@@ -140,6 +208,7 @@ def read_train(name: str, data: Mapping[str, Any]) -> EvalSet:
         name,
         data,
         data.get("train_files", ""),
+        "train_files",
         data.get("train_split", "train"),
         int(data.get("max_train_examples", 0)),
     )
@@ -150,9 +219,9 @@ def read_eval(name: str, data: Mapping[str, Any]) -> list[EvalSet]:
     max_examples = int(data.get("max_eval_examples", 0))
     files = data.get("eval_files", "")
     if files:
-        return [_read(name, data, files, "", max_examples)]
+        return [_read(name, data, files, "eval_files", "", max_examples)]
     splits = [s.strip() for s in data.get("eval_split", "validation").split(",") if s.strip()]
-    return [_read(name, data, "", split, max_examples) for split in splits]
+    return [_read(name, data, "", "", split, max_examples) for split in splits]
 
 
 def featurize(name: str, examples: Sequence, tokenizer: Any, config: Any) -> Features:
