@@ -175,10 +175,7 @@ def main(argv: list[str]) -> None:
     if sum(d is not None for d in given) != 1:
         raise app.UsageError("give exactly one of --from=hf|tf, --to=hf, --unshare or --reshare")
     src, dst, tokenizer = FLAGS.src, FLAGS.dst, FLAGS.tokenizer
-    try:
-        check_destination(src, dst, FLAGS.overwrite)
-    except ValueError as e:
-        raise app.UsageError(str(e)) from None
+    check_destination(src, dst, FLAGS.overwrite)
     if FLAGS.unshare or FLAGS.reshare:
         direction = "unshare" if FLAGS.unshare else "reshare"
         report = convert_sharing(src, dst, direction)
@@ -216,7 +213,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from absl import app
+    from albert_jax import cli
 
     _define_flags()
-    app.run(main)
+    cli.run(main)

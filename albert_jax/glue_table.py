@@ -26,7 +26,7 @@ from typing import Any
 
 from absl import app, flags, logging
 
-from albert_jax import files, process_setup
+from albert_jax import cli, files, process_setup
 
 RESULTS_FILE = "eval_results.json"  # = finetune.EVAL_RESULTS_FILE (not imported: jax-free)
 TABLE_MD = "glue_table.md"
@@ -444,22 +444,18 @@ def parse_flags(argv: list[str]) -> list[str]:
     _overrides[:] = [a for a in argv[1:] if a.startswith(CONFIG_PREFIX)]
     bad = [a for a in _overrides if "=" not in a]
     if bad:
-        sys.stderr.write(f"FATAL: write overrides as --config.FIELD=VALUE, got {bad}\n")
-        sys.exit(1)
-    return flags.FLAGS([a for a in argv if not a.startswith(CONFIG_PREFIX)])
+        raise ValueError(f"write overrides as --config.FIELD=VALUE, got {bad}")
+    return cli.parse_flags([a for a in argv if not a.startswith(CONFIG_PREFIX)])
 
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     FLAGS = flags.FLAGS
-    try:
-        tasks = expand_tasks(FLAGS.tasks)
-        process_setup.initialize_distributed()  # several processes: each runs the same sweep
-        table = run_table(FLAGS.init, tasks, FLAGS.workdir, _overrides,
-                          num_seeds=FLAGS.num_seeds, local_data=FLAGS.local_data)  # fmt: skip
-    except ValueError as e:  # a bad flag or override: nothing ran
-        raise SystemExit(f"glue_table: {e}") from e
+    tasks = expand_tasks(FLAGS.tasks)
+    process_setup.initialize_distributed()  # several processes: each runs the same sweep
+    table = run_table(FLAGS.init, tasks, FLAGS.workdir, _overrides,
+                      num_seeds=FLAGS.num_seeds, local_data=FLAGS.local_data)  # fmt: skip
     logging.info("table: %s", files.as_path(FLAGS.workdir) / TABLE_MD)
     print(render_markdown(table), flush=True)
     if table["not_run"]:
@@ -472,7 +468,7 @@ def main(argv: list[str]) -> None:
 def run() -> None:
     process_setup.keep_freed_host_memory()  # a CPU-only host; before JAX starts its backend
     _define_flags()
-    app.run(main, flags_parser=parse_flags)
+    cli.run(main, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

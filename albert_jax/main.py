@@ -11,17 +11,21 @@ pods (detected from the TPU runtime environment), when `JAX_COORDINATOR_ADDRESS`
 A run stopped by SIGTERM (or a TPU preemption notice) saves a checkpoint and exits 0; starting
 the same command again resumes. On a CPU-only host a fine-tuning run keeps the memory XLA frees
 after a step for the next (`set_up_process`).
+
+A run that cannot go on (a refused config value, an unreadable file, a failed checkpoint, a
+diverged loss, a workdir another run holds) ends with one line `error: <message>` on stderr and
+exit status 1, without waiting for checkpoint uploads still pending; `ALBERT_TRACEBACK=1` adds
+the traceback (`albert_jax.cli`).
 """
 
 from __future__ import annotations
 
-import re
 import sys
 
 from absl import app, flags, logging
 from ml_collections import ConfigDict, config_flags
 
-from albert_jax import process_setup
+from albert_jax import cli, process_setup
 
 FLAGS = flags.FLAGS
 
@@ -99,40 +103,10 @@ def main(argv: list[str]) -> None:
     sys.stdout.flush()
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing, with a misspelt `--config.` override reported in one line.
-
-    ml_collections raises a bare AttributeError / KeyError (a traceback) for a field the
-    config does not have; this names the override and the closest known field instead.
-    """
-    try:
-        return FLAGS(argv)
-    except flags.Error as e:  # absl's own usage errors, reported as absl reports them
-        sys.stderr.write(f"FATAL Flags parsing error: {e}\n")
-        sys.stderr.write("Pass --helpshort or --helpfull to see help on flags.\n")
-        sys.exit(1)
-    except (AttributeError, KeyError) as e:
-        sys.stderr.write(unknown_override_message(argv, e) + "\n")
-        sys.exit(1)
-
-
-def unknown_override_message(argv: list[str], error: BaseException) -> str:
-    """`config: unknown field 'lerning_rate' in --config.lerning_rate=1; did you mean
-    'learning_rate'?` from ml_collections' error for an unknown override."""
-    text = str(error.args[0]) if error.args else str(error)
-    match = re.search(r'Did you mean "([^"]+)" instead of "([^"]+)"', text)
-    key = match.group(2) if match else text.strip("'\"").splitlines()[0].strip("'\"")
-    flag = next(
-        (a for a in argv if a.startswith("--config.") and key in a.split("=")[0].split(".")),
-        None,
-    )
-    where = f" in {flag}" if flag else ""
-    hint = f"; did you mean {match.group(1)!r}?" if match else ""
-    return f"config: unknown field {key!r}{where}{hint}"
-
-
 def run() -> None:
-    app.run(main, flags_parser=parse_flags)
+    """The CLI: `main` under `cli.run` (an error in one line, then an exit that does not wait
+    for checkpoint uploads)."""
+    cli.run(main)
 
 
 if __name__ == "__main__":

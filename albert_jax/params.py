@@ -136,4 +136,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from albert_jax import cli
+
+    cli.run(main)

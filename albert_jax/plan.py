@@ -312,18 +312,19 @@ def _print_human(report: dict[str, Any]) -> None:
 
 def main() -> None:
     """The CLI (absl: `--help` lists the flags). Exit status 0: fits; 1: does not fit (the
-    compiler's message printed); 2: a config or `--tpu` that cannot be planned (the error
-    names the field)."""
-    from absl import app
+    compiler's message printed); 2: a config or `--tpu` that cannot be planned (one line
+    `error: ...` naming the field; `albert_jax.cli`)."""
+    from albert_jax import cli
 
     environment_for_tpu_compile()
     _define_flags()
-    app.run(_run)
+    # RuntimeError: no libtpu / another version than jax's, or a compile that failed on the
+    # config (not for memory: that is the "does not fit" verdict).
+    cli.run(_run, error_status=2, expected=(RuntimeError,))
 
 
 def _run(argv: list[str]) -> int:
     import json
-    import sys
 
     from absl import app, flags
 
@@ -332,19 +333,15 @@ def _run(argv: list[str]) -> int:
     FLAGS = flags.FLAGS
     if FLAGS.config is None or FLAGS.tpu is None:
         raise app.UsageError("--config and --tpu are required")
-    try:
-        target = make_target(FLAGS.tpu, FLAGS.num_slices)
-        if FLAGS.max_batch:
-            rows = [max_batch(FLAGS.config, target, r) for r in FLAGS.remat]
-            out: dict[str, Any] = {"tpu": FLAGS.tpu, "num_slices": FLAGS.num_slices,
-                                   "max_batch": rows}  # fmt: skip
-            fits = any(r["max_batch"] for r in rows)
-        else:
-            out = plan(FLAGS.config, target)
-            fits = out["fits"]
-    except (ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    target = make_target(FLAGS.tpu, FLAGS.num_slices)
+    if FLAGS.max_batch:
+        rows = [max_batch(FLAGS.config, target, r) for r in FLAGS.remat]
+        out: dict[str, Any] = {"tpu": FLAGS.tpu, "num_slices": FLAGS.num_slices,
+                               "max_batch": rows}  # fmt: skip
+        fits = any(r["max_batch"] for r in rows)
+    else:
+        out = plan(FLAGS.config, target)
+        fits = out["fits"]
     if FLAGS.json:
         print(json.dumps(out))
     elif FLAGS.max_batch:

@@ -474,7 +474,7 @@ def test_missing_sources_are_named(tmp_path):
         convert.tf_checkpoint_to_params(f"{missing}/model.ckpt-1", config)
     dst = tmp_path / "out"
     done = run_cli("--from=tf", f"--src={missing}", f"--dst={dst}")
-    assert done.returncode != 0 and f"ValueError: official TF1 checkpoint: {missing}" in done.stderr
+    assert done.returncode != 0 and f"error: official TF1 checkpoint: {missing}" in done.stderr
     assert not dst.exists()
 
 

@@ -24,7 +24,7 @@ else:
     from albert_jax import main
     calls, setting = [], process_setup.keep_freed_host_memory
     process_setup.keep_freed_host_memory = lambda: calls.append(setting()) or calls[-1]
-    class Started(Exception):
+    class Started(BaseException):  # not an error: albert_jax.cli would end the process
         pass
     def start():  # main's first step towards JAX
         raise Started

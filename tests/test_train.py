@@ -363,20 +363,21 @@ def test_bad_config_fails_before_compilation(corpus, tmp_path, compile_counter, 
 @pytest.mark.parametrize(
     "flag, expected",
     [
-        ("--config.bogus=1", "config: unknown field 'bogus' in --config.bogus=1"),
+        ("--config.bogus=1", "error: config: unknown field 'bogus' in --config.bogus=1"),
         (
             "--config.lerning_rate=1",
-            "config: unknown field 'lerning_rate' in --config.lerning_rate=1; did you mean "
+            "error: config: unknown field 'lerning_rate' in --config.lerning_rate=1; did you mean "
             "'learning_rate'?",
         ),
         (
             "--config.model.hidden_sise=8",
-            "config: unknown field 'hidden_sise' in --config.model.hidden_sise=8; did you mean "
-            "'hidden_size'?",
+            "error: config: unknown field 'hidden_sise' in --config.model.hidden_sise=8; "
+            "did you mean 'hidden_size'?",
         ),
         (
             "--config.modl.hidden_size=8",
-            "config: unknown field 'modl' in --config.modl.hidden_size=8; did you mean 'model'?",
+            "error: config: unknown field 'modl' in --config.modl.hidden_size=8; did you mean "
+            "'model'?",
         ),
     ],
 )

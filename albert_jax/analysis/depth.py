@@ -26,7 +26,7 @@ import jax
 import matplotlib
 from absl import app, flags, logging
 
-from albert_jax import files, metrics_writer
+from albert_jax import cli, files, metrics_writer
 from albert_jax.analysis import heldout
 from albert_jax.model import AlbertForPreTraining
 from albert_jax.train_step import make_eval_step
@@ -129,12 +129,9 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     FLAGS = flags.FLAGS
-    try:
-        layers = parse_layers(FLAGS.layers)
-        data = heldout.load_from_flags()
-        result = sweep(data, layers)
-    except ValueError as e:
-        raise app.UsageError(str(e)) from e
+    layers = parse_layers(FLAGS.layers)
+    data = heldout.load_from_flags()
+    result = sweep(data, layers)
     files.write_json(heldout.output_path(FLAGS.out, JSON_FILE), result, indent=1)
     matplotlib.use("Agg")  # no display: the figure goes to a file
     metrics_writer.write_figure(plot(result), heldout.output_path(FLAGS.out, PNG_FILE))
@@ -153,4 +150,4 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     heldout.define_flags()
     flags.DEFINE_string("layers", "1,2,4,8,12,16,24", "Depths L' to evaluate, comma-separated.")
-    app.run(main)
+    cli.run(main)

@@ -26,7 +26,7 @@ import matplotlib
 import numpy as np
 from absl import app, flags
 
-from albert_jax import files, metrics_writer
+from albert_jax import cli, files, metrics_writer
 from albert_jax.analysis import heldout
 from albert_jax.config import ModelConfig
 from albert_jax.model import AlbertModel
@@ -156,11 +156,8 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     FLAGS = flags.FLAGS
-    try:
-        data = heldout.load_from_flags()
-        result = measure(data)
-    except ValueError as e:
-        raise app.UsageError(str(e)) from e
+    data = heldout.load_from_flags()
+    result = measure(data)
     files.write_json(heldout.output_path(FLAGS.out, JSON_FILE), result, indent=1)
     matplotlib.use("Agg")  # no display: the figure goes to a file
     figure = plot({label(result, data.pretrained.config): result})
@@ -176,4 +173,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     heldout.define_flags()
-    app.run(main)
+    cli.run(main)

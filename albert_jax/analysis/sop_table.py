@@ -32,7 +32,7 @@ from typing import Any
 
 from absl import app, flags, logging
 
-from albert_jax import files
+from albert_jax import cli, files
 from albert_jax.train_config import RUN_CONFIG_FILE
 
 TASKS = ("nsp", "sop")  # the evaluation columns, as objectives of the data pipeline
@@ -261,14 +261,11 @@ def main(argv: list[str]) -> None:
     if not sweep and not FLAGS.output:
         raise app.UsageError("--workdirs needs --output")
     output = FLAGS.workdir if sweep else FLAGS.output
-    try:
-        workdirs = run_sweep(FLAGS.config, FLAGS.workdir) if sweep else FLAGS.workdirs
-        if not workdirs:
-            logging.warning("stopped by preemption; run the same command again to finish")
-            return
-        table = cross_evaluate(workdirs, eval_batches=FLAGS.eval_batches)
-    except ValueError as e:  # a bad flag or mismatched runs: no table
-        raise SystemExit(f"sop_table: {e}") from e
+    workdirs = run_sweep(FLAGS.config, FLAGS.workdir) if sweep else FLAGS.workdirs
+    if not workdirs:
+        logging.warning("stopped by preemption; run the same command again to finish")
+        return
+    table = cross_evaluate(workdirs, eval_batches=FLAGS.eval_batches)
     write_table(table, output)
     logging.info("table: %s", files.as_path(output) / TABLE_MD)
     sys.stdout.write(render_markdown(table))
@@ -276,7 +273,7 @@ def main(argv: list[str]) -> None:
 
 def run() -> None:
     _define_flags()
-    app.run(main)
+    cli.run(main)
 
 
 if __name__ == "__main__":

@@ -364,7 +364,7 @@ def _define_flags() -> None:
 
 
 if __name__ == "__main__":
-    from absl import app
+    from albert_jax import cli
 
     _define_flags()
-    app.run(_main)
+    cli.run(_main)

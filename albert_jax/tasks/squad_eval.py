@@ -306,5 +306,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from albert_jax import cli
+
     define_flags()
-    app.run(main)
+    cli.run(main)

@@ -18,10 +18,10 @@ from when the spec names none):
 from __future__ import annotations
 
 import json
-import sys
 
 from absl import app, flags
 
+from albert_jax import cli
 from albert_jax.data.sources import prepare_sources
 
 _SOURCES = flags.DEFINE_string(
@@ -41,14 +41,11 @@ _REBUILD = flags.DEFINE_bool(
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    try:
-        reports = prepare_sources(_SOURCES.value, data_dir=_DATA_DIR.value, rebuild=_REBUILD.value)
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    reports = prepare_sources(_SOURCES.value, data_dir=_DATA_DIR.value, rebuild=_REBUILD.value)
     for report in reports:
         print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":
     flags.mark_flag_as_required("sources")
-    app.run(main)
+    cli.run(main)
