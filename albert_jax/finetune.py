@@ -27,7 +27,8 @@ Files written (process 0):
   predictions.json         SQuAD: {question id: answer} (official format; v2: "" = no answer)
   na_probs.json            SQuAD v2: {question id: P(no answer)}
   nbest_predictions.json   SQuAD: n-best candidates with probabilities
-  predictions.jsonl        other tasks: {"id", "prediction", "label"} per eval example
+  predictions.jsonl        other tasks: {"id", "prediction", "label", "eval_set"} per eval
+                           example (eval_set: the file or split it came from)
   checkpoints/<step>/      params, opt_state, data, meta (readable by load_pretrained)
   tokenizer.model          the tokenizer used
 """

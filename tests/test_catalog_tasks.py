@@ -95,10 +95,12 @@ def test_glue_sst2_reproduces_the_local_run(spm, shared_data, tmp_path_factory, 
     fine-tuning `task=sst2` on them reproduces the local sentiment_rt run bit for bit."""
     data_dir = str(tmp_path / "tfds")
     source = os.path.join(shared_data, "tasks", "sentiment_rt")
-    # The whole dev set, and the train set's first 1000 sentences (the run trains on the first
-    # 200; TFDS writes ~1.5k records a second here, the whole 8431 would cost seconds).
+    # The whole dev set, and the 200 train sentences the local run keeps (max_train_examples:
+    # a fixed random subset; TFDS writes ~1.5k records a second here, the whole 8431 would
+    # cost seconds). Kept in file order, all 200 of them are the catalog run's subset too.
+    train_rows = _jsonl(os.path.join(source, "train.jsonl.gz"))
     raw = {
-        "train": _jsonl(os.path.join(source, "train.jsonl.gz"))[:1000],
+        "train": [train_rows[i] for i in registry.subset(len(train_rows), 200)],
         "validation": _jsonl(os.path.join(source, "dev.jsonl.gz")),
     }
     _store_as_catalog(
@@ -117,11 +119,13 @@ def test_glue_sst2_reproduces_the_local_run(spm, shared_data, tmp_path_factory, 
     (dev,) = registry.read_eval("sst2", {**config.data, "max_eval_examples": 0})
     train = registry.read_train("sst2", {**config.data, "max_train_examples": 0})
     assert dev.name == "validation" and (dev.stats.read, dev.stats.kept) == (1109, 1109)
-    assert (train.stats.read, len(train.examples)) == (1000, 1000)
+    assert (train.stats.read, len(train.examples)) == (200, 200)
     for split, examples in (("train", train.examples), ("dev", dev.examples)):
         from_file = local.read_sentiment_rt(os.path.join(source, f"{split}.jsonl.gz"))
+        if split == "train":
+            from_file = [from_file[i] for i in registry.subset(len(from_file), 200)]
         assert [(e.text_a, e.text_b, e.label) for e in examples] == [
-            (e.text_a, e.text_b, e.label) for e in from_file[: len(examples)]
+            (e.text_a, e.text_b, e.label) for e in from_file
         ]
     assert [e.id for e in dev.examples[:2]] == ["validation-0", "validation-1"]
 
@@ -131,20 +135,24 @@ def test_glue_sst2_reproduces_the_local_run(spm, shared_data, tmp_path_factory, 
     expected = _results(local_run)
     print("glue/sst2 (catalog files):", {k: results[k] for k in ("accuracy", "majority_accuracy")})
     assert results["task"] == "sst2" and results["step"] == 12 and results["num_examples"] == 128
-    assert results["data"]["train"]["read"] == 1000 and results["data"]["eval"][0]["read"] == 1109
+    assert results["data"]["train"]["read"] == 200 and results["data"]["eval"][0]["read"] == 1109
     for key in ("accuracy", "majority_accuracy"):
         assert results[key] == expected[key], key
     pairs = [[(r["prediction"], r["label"]) for r in _predictions(d)] for d in (workdir, local_run)]
     assert pairs[0] == pairs[1]
-    assert [r["id"] for r in _predictions(workdir)] == [f"validation-{i}" for i in range(128)]
+    kept = registry.subset(1109, 128)  # the dev sentences both runs evaluate
+    assert [r["id"] for r in _predictions(workdir)] == [f"validation-{i}" for i in kept]
     _assert_same_final_params(workdir, local_run, step=12)
 
 
 # ----------------------------------------------------------------------------------- squad/v1.1
-def _squad_records(path: str, num_paragraphs: int) -> tuple[list[dict], int]:
-    """TFDS squad records of the first paragraphs of a SQuAD JSON file, answers exactly as in
-    the file, and how many of those answers have an offset that misses their text (SQuAD-Shifts
-    has a few, shifted by some characters: the catalog reader has to cope with them)."""
+def _squad_records(
+    path: str, num_paragraphs: int | None = None, ids: set[str] | None = None
+) -> tuple[list[dict], int]:
+    """TFDS squad records of the first paragraphs of a SQuAD JSON file (all: None), or of its
+    questions `ids`, answers exactly as in the file, and how many of those answers have an
+    offset that misses their text (SQuAD-Shifts has a few, shifted by some characters: the
+    catalog reader has to cope with them)."""
     with local.open_text(path) as f:
         articles = json.load(f)["data"]
     paragraphs = ((a, p) for a in articles for p in a["paragraphs"])
@@ -152,6 +160,8 @@ def _squad_records(path: str, num_paragraphs: int) -> tuple[list[dict], int]:
     for article, paragraph in itertools.islice(paragraphs, num_paragraphs):
         context = paragraph["context"]
         for qa in paragraph["qas"]:
+            if ids is not None and qa["id"] not in ids:
+                continue
             answers = qa["answers"]
             misplaced += sum(
                 context[a["answer_start"] : a["answer_start"] + len(a["text"])] != a["text"]
@@ -174,24 +184,32 @@ def test_squad_v11_reproduces_the_local_run(shared_data, tmp_path_factory, tmp_p
     """squad/v1.1 written from SQuAD-Shifts (new_wiki: train, nyt: validation): the catalog
     reader finds the local JSON reader's questions and answers, and fine-tuning `task=squad_v1`
     on them reproduces the local SQuAD-Shifts run (same EM / F1, same predictions file)."""
-    data_dir = str(tmp_path / "tfds")
-    shifts = os.path.join(shared_data, "tasks", "squad_shifts")
     train_file, dev_file = task_files(shared_data, "squad_shifts")
-    # 90 / 40 paragraphs: more than the local run's 400 / 120 questions; nyt's paragraph 19
-    # has answers whose offsets miss their text.
-    train, _ = _squad_records(train_file, 90)
-    validation, misplaced = _squad_records(dev_file, 40)
-    assert len(train) > 400 and len(validation) > 120 and misplaced > 0
-    _store_as_catalog("squad/v1.1", {"train": train, "validation": validation}, data_dir)
-
+    # The reader first, on nyt's first 40 paragraphs (its paragraph 19 has answers whose
+    # offsets miss their text).
+    first, misplaced = _squad_records(dev_file, 40)
+    assert misplaced > 0
+    _store_as_catalog("squad/v1.1", {"validation": first}, str(tmp_path / "reader"))
     stats = local.ReadStats()
     catalog = finetune.registry.squad.read_squad_tfds(
-        "v1.1", "validation", data_dir=data_dir, stats=stats
+        "v1.1", "validation", data_dir=str(tmp_path / "reader"), stats=stats
     )
-    from_file = local.read_squad(os.path.join(shifts, "nyt_v1.0.json.gz"))
-    assert len(catalog) == len(validation) and stats.skipped_total == 0
+    from_file = local.read_squad(dev_file)
+    assert len(catalog) == len(first) and stats.skipped_total == 0
     assert catalog == from_file[: len(catalog)]  # ids, titles, texts, relocated answers
     assert stats.adjusted == {"answer_start_relocated": misplaced}
+
+    # The run: the questions the local run keeps (max_*_examples: a fixed random subset of
+    # 400 train / 120 dev questions), which, all kept in file order, the catalog run keeps too.
+    def kept(path: str, count: int) -> set[str]:
+        examples = local.read_squad(path)
+        return {examples[i].id for i in registry.subset(len(examples), count)}
+
+    train, _ = _squad_records(train_file, ids=kept(train_file, 400))
+    validation, _ = _squad_records(dev_file, ids=kept(dev_file, 120))
+    assert (len(train), len(validation)) == (400, 120)
+    data_dir = str(tmp_path / "tfds")
+    _store_as_catalog("squad/v1.1", {"train": train, "validation": validation}, data_dir)
 
     # The local run's config, task and source swapped.
     local_run = squad_shifts_run(tmp_path_factory, shared_data)

@@ -326,8 +326,9 @@ def squad_shifts_run(tmp_path_factory, shared_data: str) -> str:
 
 
 def sentiment_tiny_config(tokenizer: str, shared_data: str, **overrides):
-    """tiny_scratch_config on the first 200 sentiment_rt train / 128 dev sentences. 200 / 32 =
-    6 steps an epoch: the 12 steps span two epochs (two data permutations)."""
+    """tiny_scratch_config on 200 sentiment_rt train / 128 dev sentences (max_*_examples: a
+    fixed random subset of each file). 200 / 32 = 6 steps an epoch: the 12 steps span two
+    epochs (two data permutations)."""
     train, dev = task_files(shared_data, "sentiment_rt")
     return tiny_scratch_config(
         "sentiment_rt", tokenizer,

@@ -126,8 +126,8 @@ def test_failed_save_stops_the_run_naming_step_and_path(corpus, trained, tmp_pat
     assert "File too large" in error, error  # the OS's reason, in the same message
     assert "Checkpoints intact: [4, 8]" in error
     # Stopped at the first step boundary after the background write failed (a few 15 ms steps
-    # here), never at a later save.
-    assert 12 <= max(losses_by_step(workdir)) < 16
+    # here), at the latest at the next save (16; its record is written before the save starts).
+    assert 12 <= max(losses_by_step(workdir)) <= 16
     with checkpointing.Checkpointer(workdir, read_only=True) as checkpoints:
         assert checkpoints.all_steps() == [4, 8]
         params = checkpoints.restore_numpy(8, "params")
