@@ -12,6 +12,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from albert_jax import files
 from albert_jax.config import RUNTIME_FIELDS, ModelConfig
 from albert_jax.tasks import registry
 from albert_jax.tasks.registry import TaskSpec
@@ -31,6 +32,7 @@ KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
     "data": (
         "train_files", "eval_files", "data_dir", "train_split", "eval_split", "race_levels",
         "tokenizer", "allow_other_tokenizer", "max_train_examples", "max_eval_examples",
+        "max_line_bytes", "max_blank_lines",
     ),
     "mesh": ("data", "fsdp", "tensor", "auto"),
     "debug": ("sigterm_after_step",),
@@ -81,6 +83,7 @@ def validate_config(config: Any) -> TaskSpec:
         )
     if not 0.0 <= config.warmup_fraction < 1.0:
         raise ValueError(f"config.warmup_fraction must be in [0, 1), got {config.warmup_fraction}")
+    files.LineLimits.from_config(config.data, "config.data")  # max_line_bytes, max_blank_lines
     return spec
 
 

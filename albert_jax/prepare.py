@@ -103,8 +103,11 @@ def build_sources(config: Any) -> None:
     in a local data dir, TFRecord in a `gs://` one (`builders.base.file_format_for`)."""
     from albert_jax.data import sources
 
+    # config.data.max_line_bytes / max_blank_lines bound the reading of the input files.
+    limits = files.LineLimits.from_config(config_field(config, "data"), "config.data")
     if jax.process_index() == 0:
         for src in sources.parse_sources(config.data.sources):
             if src.is_local:
-                sources.build_source(src, data_dir=config_field(config, "data.data_dir"))
+                data_dir = config_field(config, "data.data_dir")
+                sources.build_source(src, data_dir=data_dir, limits=limits)
     barrier("sources")

@@ -33,7 +33,7 @@ KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
     "data": (
         "sources", "data_dir", "cache_dir", "tokenizer", "short_seq_prob", "masked_lm_prob",
         "max_ngram", "num_workers", "eval_split", "tokenizer_max_sentences",
-        "sop_single_segment", "num_shards",
+        "sop_single_segment", "num_shards", "max_line_bytes", "max_blank_lines",
     ),
     "mesh": ("data", "fsdp", "tensor", "auto"),
     "debug": (
@@ -160,6 +160,7 @@ def validate_config(
     from albert_jax.data.pipeline import DataConfig
 
     DataConfig.from_config(config).validate(processes)
+    files.LineLimits.from_config(config_field(config, "data"), "config.data")  # building sources
     if config_field(config, "data.masked_lm_prob") == 0:  # valid for an ablation, else a slip
         if objective == "none":
             raise ValueError(

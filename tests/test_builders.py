@@ -8,12 +8,15 @@ import gzip
 import json
 import os
 import re
+import subprocess
+import sys
 import textwrap
 from collections import defaultdict
 
 import pytest
 import tensorflow_datasets as tfds
 
+from albert_jax.data import sources
 from albert_jax.data.builders import (
     Books,
     BooksConfig,
@@ -25,6 +28,7 @@ from albert_jax.data.builders import (
     counters,
 )
 from albert_jax.data.builders.base import Tally, _title_hash, in_validation
+from albert_jax.files import LineLimits
 
 WIKI_SAMPLE = "corpora/enwiki-sample-pages-articles.xml.bz2"
 
@@ -418,3 +422,117 @@ def test_truncated_corpus_file_names_the_file_and_line(
     )
     dataset.download_and_prepare()
     assert counters(dataset)["documents"] >= 1
+
+
+# ---------------------------------------------------------------- bounded reading (#58 11)
+
+
+def test_corpus_reading_is_bounded_and_counted(tmp_path):
+    data_dir = str(tmp_path / "tfds")
+    limits = LineLimits(max_line_bytes=100, max_blank_lines=5)
+    # Raw text: a long line is skipped without ending its document; a long blank run ends the
+    # file's read (the document after it is not read).
+    raw = tmp_path / "raw.txt"
+    raw.write_text(
+        "A first sentence.\n" + "x" * 101 + "\nSecond sentence.\n\nDoc two.\n"
+        + "\n" * 10 + "Never read.\n"
+    )  # fmt: skip
+    builder = sources.build_source("raw_text/b", data_dir=data_dir, files=str(raw), limits=limits)
+    got = {d["title"]: d["text"] for split in _all_documents(builder).values() for d in split}
+    assert got == {"raw:0": "A first sentence.\nSecond sentence.", "raw:1": "Doc two."}
+    assert counters(builder) == {
+        "blank_runs_too_long": 1,
+        "documents": 2,
+        "files": 1,
+        "lines_too_long": 1,
+    }
+    # The bounds are not part of the dataset's identity: asked for with others (the defaults),
+    # the prepared dataset is used as it is, not refused as built with another config.
+    again = sources.build_source("raw_text/b", data_dir=data_dir, files=str(raw))
+    assert again.info.metadata["build_id"] == builder.info.metadata["build_id"]
+
+    # JSON Lines, whole-file documents and books: a line or a file over the cap is skipped.
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    long_record = json.dumps({"title": "long", "text": "y" * 100})
+    (inputs / "a.jsonl").write_text(f'{{"text": "One."}}\n{long_record}\n{{"text": "Two."}}\n')
+    (inputs / "small.txt").write_text("A small document.")
+    (inputs / "big.txt").write_text("z" * 101)
+    bounds = {"max_line_bytes": 100, "max_blank_lines": 5, "validation_fraction": 0}
+    config = DocumentsConfig(name="mixed", files=(str(inputs),), **bounds)
+    builder = Documents(config=config, data_dir=data_dir)
+    builder.download_and_prepare()
+    assert sorted(d["title"] for d in _all_documents(builder)["train"]) == ["a:1", "a:3", "small"]
+    assert counters(builder) == {
+        "documents": 3,
+        "documents_too_long": 1,
+        "files": 3,
+        "lines_too_long": 1,
+        "untitled_records": 2,
+    }
+    builder = Books(config=BooksConfig(name="b", files=(str(inputs),), **bounds), data_dir=data_dir)
+    builder.download_and_prepare()
+    assert [d["title"] for d in _all_documents(builder)["train"]] == ["small"]
+    assert counters(builder) == {"documents": 1, "documents_too_long": 1, "files": 2}
+    with pytest.raises(ValueError, match="max_line_bytes must be an integer >= 1, got 0"):
+        DocumentsConfig(name="c", files=(str(inputs),), max_line_bytes=0)
+
+
+# Reads a corpus file as the `documents` builder does, in a fresh process: its peak memory is
+# the reader's alone.
+_READ_CORPUS_IN_A_PROCESS = """
+import json, resource, sys
+from albert_jax.data.builders import Documents, DocumentsConfig
+from albert_jax.data.builders.base import Tally
+builder = Documents(config=DocumentsConfig(name="x", files=(sys.argv[1],)), data_dir=sys.argv[2])
+tally = Tally("train")
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+titles = [title for _, title, _ in builder._read_documents([sys.argv[1]], lambda t: True, tally)]
+grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+print(json.dumps({"titles": titles, "counts": tally.counts, "grew_mib": grew}))
+"""
+
+
+def test_a_gigabyte_corpus_line_is_skipped_in_bounded_memory(tmp_path):
+    # ~1 MB of gzip that expands to one 1 GiB line: held whole before (GBs), now read past in
+    # pieces of at most the 64 MiB cap.
+    path = tmp_path / "corpus.jsonl.gz"
+    member = gzip.compress(b"a" * (1 << 20), compresslevel=9)
+    with open(path, "wb") as f:  # gzip members: the repeated one compressed once
+        f.write(gzip.compress(b'{"title": "first", "text": "A document."}\n'))
+        f.write(member * 1024)
+        f.write(gzip.compress(b'\n{"title": "last", "text": "Another one."}\n'))
+    assert path.stat().st_size < 2 << 20
+    done = subprocess.run(
+        [sys.executable, "-c", _READ_CORPUS_IN_A_PROCESS, str(path), str(tmp_path / "tfds")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["titles"] == ["first", "last"]
+    assert got["counts"] == {"lines_too_long": 1}
+    assert got["grew_mib"] < 256, got
+    assert f"{path}: line 2 is longer than max_line_bytes=67108864; skipped" in done.stderr
+
+
+def test_pretraining_config_sets_the_read_bounds(tmp_path):
+    # config.data.max_line_bytes / max_blank_lines reach the build (prepare.build_sources, as
+    # a training run calls it), and bad values fail the config check, naming the field.
+    from albert_jax import prepare, train_config
+    from configs.pretrain import get_config
+
+    raw = tmp_path / "raw.txt"
+    raw.write_text("One.\n" + "x" * 101 + "\nTwo.\n\nThree.\n")
+    config = get_config(f"size=tiny,data=raw_text/cfg={raw}")
+    config.data.data_dir = str(tmp_path / "tfds")
+    config.data.max_line_bytes = 100
+    train_config.validate_config(config)
+    prepare.build_sources(config)
+    builder = sources.build_source("raw_text/cfg", data_dir=config.data.data_dir)
+    assert counters(builder) == {"documents": 2, "files": 1, "lines_too_long": 1}
+    config.data.max_blank_lines = 0
+    with pytest.raises(ValueError, match=r"config\.data\.max_blank_lines must be an integer"):
+        train_config.validate_config(config)

@@ -1,14 +1,19 @@
 """albert_jax.files: atomic writes publish all or nothing, on local disk and on gs:// (the local
 Cloud Storage emulator of tests/gcs.py); unreadable files (truncated or corrupt compressed data,
-invalid UTF-8) raise errors naming the file and the line; file fingerprints (stat, sha256)."""
+invalid UTF-8) raise errors naming the file and the line; file fingerprints (stat, sha256);
+bounded line reading (`read_lines`: long lines skipped, long blank runs end the read)."""
 
 import bz2
 import gzip
 import hashlib
+import io
+import logging
 import os
 import pickle
+import random
 import time
 
+import ml_collections
 import pytest
 from etils import epath
 
@@ -128,3 +133,81 @@ def test_stat_and_sha256_local_and_on_gcs(gcs, tmp_path):
         assert size == 5 and abs(mtime_ns / 1e9 - time.time()) < 600
         assert files.sha256(path) == digest
     assert files.stat(local)[1] == os.stat(local).st_mtime_ns  # full resolution locally
+
+
+# ---------------------------------------------------------------- bounded line reading
+
+
+def _split_lines(data: bytes, limits: files.LineLimits) -> tuple[list, list]:
+    """What `read_lines` must give: a plain split, long lines skipped, a long blank run ending
+    the read; (kept (number, line) pairs, skips (reason, number))."""
+    pieces = data.split(b"\n")
+    if pieces[-1] == b"":
+        pieces.pop()
+    kept, skips, blank = [], [], 0
+    for number, line in enumerate(pieces, 1):
+        if len(line) > limits.max_line_bytes:
+            skips.append((files.LINE_TOO_LONG, number))
+            blank = 0
+            continue
+        blank = blank + 1 if not line or line.isspace() else 0
+        if blank > limits.max_blank_lines:
+            skips.append((files.BLANK_RUN_TOO_LONG, number))
+            break
+        kept.append((number, line))
+    return kept, skips
+
+
+def test_read_lines_agrees_with_a_plain_split_at_any_piece_size(monkeypatch):
+    # Pieces as small as one byte: every way a line can straddle pieces (the reader measures a
+    # line only when it spans pieces, so that is where an off-by-one would hide).
+    rng = random.Random(0)
+    skips: list = []
+    record = lambda *skip: skips.append(skip)  # noqa: E731
+    for _ in range(3000):
+        lines = [
+            bytes(rng.choice(b"ab \r") for _ in range(rng.choice([0, 0, 1, 2, 5, 9, 20])))
+            for _ in range(rng.randint(0, 30))
+        ]
+        data = b"\n".join(lines) + rng.choice([b"", b"\n"])
+        limits = files.LineLimits(rng.randint(1, 10), rng.randint(1, 4))
+        monkeypatch.setattr(files, "_LINE_CHUNK", rng.randint(1, 16))
+        skips.clear()
+        kept = list(files.read_lines(io.BytesIO(data), "x", limits, record))
+        assert (kept, skips) == _split_lines(data, limits), (data, limits, files._LINE_CHUNK)
+
+
+def test_read_lines_names_the_file_and_line_and_logs_progress(tmp_path, monkeypatch, caplog):
+    path = tmp_path / "doc.txt.gz"
+    path.write_bytes(gzip.compress(b"ok\n" + b"x" * 5000 + b"\nfine\n" + b"\n" * 10 + b"lost\n"))
+    monkeypatch.setattr(files, "PROGRESS_BYTES", 1000)
+    caplog.set_level(logging.INFO)
+    skips: list = []
+    with files.open_binary(path) as f:
+        limits = files.LineLimits(max_line_bytes=100, max_blank_lines=3)
+        kept = list(files.read_lines(f, path, limits, lambda *s: skips.append(s)))
+    assert kept == [(1, b"ok"), (3, b"fine"), (4, b""), (5, b""), (6, b"")]
+    assert skips == [(files.LINE_TOO_LONG, 2), (files.BLANK_RUN_TOO_LONG, 7)]
+    log = caplog.text
+    assert f"{path}: line 2 is longer than max_line_bytes=100; skipped" in log
+    assert f"{path}: more than max_blank_lines=3 blank lines in a row (lines 4-7)" in log
+    assert f"{path}: 0 MiB read, 1 lines so far" in log  # progress while the long line goes
+
+
+def test_read_at_most_never_reads_past_the_cap(tmp_path):
+    path = tmp_path / "book.txt.gz"
+    path.write_bytes(gzip.compress(b"a" * 1000))
+    with files.open_binary(path) as f:
+        assert files.read_at_most(f, 1000) == b"a" * 1000
+    with files.open_binary(path) as f:
+        assert files.read_at_most(f, 999) is None
+        assert f.read() == b""  # one byte past the cap was read, not the whole file
+
+
+def test_line_limits_from_a_config_name_the_field():
+    assert files.LineLimits.from_config(None) == files.DEFAULT_LINE_LIMITS
+    config = ml_collections.ConfigDict({"max_line_bytes": 10, "max_blank_lines": None})
+    assert files.LineLimits.from_config(config) == files.LineLimits(10, 100_000)
+    for bad in (0, -1, True, 2.5, "1"):
+        with pytest.raises(ValueError, match=r"config\.data\.max_blank_lines must be an integer"):
+            files.LineLimits.from_config({"max_blank_lines": bad})

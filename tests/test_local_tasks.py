@@ -1,16 +1,21 @@
-"""Readers of the local labelled sets: real files (README counts) and bad-record counting."""
+"""Readers of the local labelled sets: real files (README counts), bad-record counting, and
+bounded reading (a gigantic line or blank run costs seconds and bounded memory)."""
 
 import collections
 import gzip
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
 from albert_jax import files
+from albert_jax.finetune_config import validate_config
 from albert_jax.tasks import local, registry
 from albert_jax.tasks.metrics import METRIC_FNS
+from configs import finetune as finetune_config
 
 
 def _tasks_dir(shared_data, *parts):
@@ -313,3 +318,104 @@ def test_task_files_on_gs(gcs, shared_data, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=missing):
         local.read_task("sentiment_rt", f"{gcs.url(f'{prefix}/dev.jsonl.gz')},{missing}")
     assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------- bounded reading (#58 10, 11)
+def _gzip_bomb(path, before: bytes, unit: bytes, repeats: int, after: bytes) -> None:
+    """A real gzip file of before + unit * repeats + after, written in members (a gzip file
+    may hold several; every reader takes them as one stream): the repeated unit is compressed
+    once, so gigabytes of content take a megabyte and milliseconds to write."""
+    member = gzip.compress(unit, compresslevel=9)
+    with open(path, "wb") as f:
+        f.write(gzip.compress(before))
+        f.write(member * repeats)
+        f.write(gzip.compress(after))
+
+
+# Reads a task file in a fresh process: its peak memory is the reader's alone, and a reader
+# that would take minutes is stopped by the timeout.
+_READ_IN_A_PROCESS = """
+import json, resource, sys, time
+from albert_jax.tasks import local
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+start = time.perf_counter()
+stats = local.ReadStats()
+examples = local.read_task("sentiment_rt", sys.argv[1], stats=stats)
+print(json.dumps({
+    "seconds": time.perf_counter() - start,
+    "grew_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024,
+    "kept": [e.text_a for e in examples],
+    "skipped": stats.skipped,
+    "first_skipped": stats.first_skipped,
+}))
+"""
+
+
+def _read_in_a_process(path, timeout: float) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", _READ_IN_A_PROCESS, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_a_gigabyte_line_is_skipped_in_bounded_memory(tmp_path):
+    # Case 11: ~1 MB of gzip that expands to one 1 GiB line (it was held whole, and decoded:
+    # 2.2 GB at the peak, before it was skipped as invalid JSON).
+    path = tmp_path / "big.jsonl.gz"
+    good = b'{"sentence": "good", "label": 1}\n'
+    _gzip_bomb(path, good, b"a" * (1 << 20), 1024, b"\n" + good.replace(b"good", b"fine"))
+    assert path.stat().st_size < 2 << 20
+    got = _read_in_a_process(path, timeout=120)
+    assert got["kept"] == ["good", "fine"]
+    assert got["skipped"] == {files.LINE_TOO_LONG: 1}
+    assert got["first_skipped"] == {files.LINE_TOO_LONG: "big.jsonl.gz:2"}
+    # At most the 64 MiB cap of the line is held (in pieces, then dropped), never the line.
+    assert got["grew_mib"] < 256, got
+
+
+def test_a_long_run_of_blank_lines_ends_the_read_in_seconds(tmp_path):
+    # Case 10: ~0.5 MB of gzip holding 512 Mi blank lines took ~7 min of CPU, silently.
+    path = tmp_path / "blank.jsonl.gz"
+    good = b'{"sentence": "good", "label": 1}\n'
+    _gzip_bomb(path, good, b"\n" * (1 << 20), 512, b'{"sentence": "never read", "label": 0}\n')
+    assert path.stat().st_size < 1 << 20
+    got = _read_in_a_process(path, timeout=60)
+    assert got["seconds"] < 5, got
+    assert got["kept"] == ["good"]  # the read stopped in the run: the record after it is lost
+    assert got["skipped"] == {files.BLANK_RUN_TOO_LONG: 1}
+    # Line 1 is the record, the run starts at line 2: line 100,002 is its first past the cap.
+    assert got["first_skipped"] == {files.BLANK_RUN_TOO_LONG: "blank.jsonl.gz:100002"}
+
+
+def test_line_limits_come_from_the_config(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text(
+        '{"sentence": "short", "label": 1}\n'
+        + json.dumps({"sentence": "long " * 20, "label": 0})
+        + "\n\n\n\n"
+        + '{"sentence": "after the blank run", "label": 1}\n'
+    )
+    data = {"train_files": str(path), "max_line_bytes": 60, "max_blank_lines": 2}
+    train = registry.read_train("sentiment_rt", data)
+    assert [e.text_a for e in train.examples] == ["short"]
+    assert train.stats.skipped == {files.LINE_TOO_LONG: 1, files.BLANK_RUN_TOO_LONG: 1}
+    assert train.stats.first_skipped == {
+        files.LINE_TOO_LONG: "train.jsonl:2",
+        files.BLANK_RUN_TOO_LONG: "train.jsonl:5",
+    }
+    # A SQuAD JSON file is one value: larger than the cap, it is refused, naming file and field.
+    squad = tmp_path / "dev.json"
+    squad.write_text(json.dumps({"data": [{"title": "t", "paragraphs": []}]}))
+    with pytest.raises(ValueError, match=r"dev\.json: more than 20 bytes .*max_line_bytes"):
+        local.read_squad(squad, limits=files.LineLimits(max_line_bytes=20))
+    assert local.read_squad(squad) == []
+    # Bad bounds fail the config check, naming the field.
+    config = finetune_config.get_config("task=sentiment_rt")
+    config.data.max_blank_lines = 0
+    with pytest.raises(ValueError, match=r"config\.data\.max_blank_lines must be an integer"):
+        validate_config(config)

@@ -188,13 +188,21 @@ def tokenize_one(
     return encoded
 
 
-def iter_raw_text_documents(source: str | bytes | io.IOBase) -> Iterator[dict]:
+def iter_raw_text_documents(
+    source: str | bytes | io.IOBase,
+    *,
+    limits: files.LineLimits = files.DEFAULT_LINE_LIMITS,
+    counters: Counter | None = None,
+) -> Iterator[dict]:
     """Reads the official raw format: one sentence per line, a blank line between documents.
 
     `source` is a path (local or `gs://`; gzip / bzip2 detected from the content), bytes, or a
-    binary file object (left open). Bytes that are not
-    UTF-8 are kept as bytes in "text" so that `tokenize_documents` replaces and counts them.
+    binary file object (left open). Bytes that are not UTF-8 are kept as bytes in "text" so
+    that `tokenize_documents` replaces and counts them. Lines are read within `limits`
+    (`files.read_lines`); `counters` counts `lines_too_long` and `blank_runs_too_long`.
     """
+    name = source if isinstance(source, str) else getattr(source, "name", "<bytes>")
+    on_skip = None if counters is None else lambda r, _: counters.update([files.SKIP_COUNTERS[r]])
     if isinstance(source, bytes):
         stream: Any = contextlib.nullcontext(io.BytesIO(source))
     elif isinstance(source, str):
@@ -212,8 +220,8 @@ def iter_raw_text_documents(source: str | bytes | io.IOBase) -> Iterator[dict]:
         return {"title": "", "text": text}
 
     with stream as f:
-        for line in f:
-            line = line.rstrip(b"\r\n")
+        for _, line in files.read_lines(f, str(name), limits, on_skip):
+            line = line.rstrip(b"\r")
             if line.strip():
                 lines.append(line)
             elif lines:
@@ -223,12 +231,19 @@ def iter_raw_text_documents(source: str | bytes | io.IOBase) -> Iterator[dict]:
             yield flush()
 
 
-def iter_jsonl_documents(path: str) -> Iterator[dict]:
-    """`{"title", "text"}` records of a (gzip) JSON Lines file, local or `gs://`."""
+def iter_jsonl_documents(
+    path: str,
+    *,
+    limits: files.LineLimits = files.DEFAULT_LINE_LIMITS,
+    counters: Counter | None = None,
+) -> Iterator[dict]:
+    """`{"title", "text"}` records of a (gzip) JSON Lines file, local or `gs://`; lines are
+    read within `limits`, counted in `counters` like `iter_raw_text_documents`'."""
+    on_skip = None if counters is None else lambda r, _: counters.update([files.SKIP_COUNTERS[r]])
     with files.open_binary(path) as raw:
-        for line in io.TextIOWrapper(raw, encoding="utf-8", errors="replace"):
+        for _, line in files.read_lines(raw, path, limits, on_skip):
             if line.strip():
-                yield json.loads(line)
+                yield json.loads(line.decode("utf-8", errors="replace"))
 
 
 # --------------------------------------------------------------------------------------------

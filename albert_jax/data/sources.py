@@ -69,6 +69,7 @@ from albert_jax.data.builders.prepared import (
 )
 from albert_jax.data.builders.text_files import resolve_files
 from albert_jax.data.builders.wikipedia_dump import WikipediaDump, WikipediaDumpConfig
+from albert_jax.files import DEFAULT_LINE_LIMITS, LineLimits
 from albert_jax.process_setup import hide_accelerators_from_tensorflow
 
 CATALOG_WIKIPEDIA = "wikipedia/20230601.en"
@@ -245,12 +246,16 @@ def _resolve_data_dir(data_dir: str | os.PathLike | None) -> str | None:
 
 
 def _local_builder(
-    source: Source, data_dir: str | None, files: tuple[str, ...]
+    source: Source,
+    data_dir: str | None,
+    files: tuple[str, ...],
+    limits: LineLimits | None = None,
 ) -> LocalTextBuilder:
     local, config_name = _split_local_name(source.name)
     if local.config_cls is None:
         return local.builder(data_dir=data_dir)
-    config = local.config_cls(name=config_name, files=files, **dict(local.config_fields))
+    bounds = dataclasses.asdict(limits or DEFAULT_LINE_LIMITS)
+    config = local.config_cls(name=config_name, files=files, **dict(local.config_fields), **bounds)
     return local.builder(config=config, data_dir=data_dir)
 
 
@@ -260,6 +265,7 @@ def build_source(
     data_dir: str | os.PathLike | None = None,
     files: str | Sequence[str] | None = None,
     rebuild: bool = False,
+    limits: LineLimits | None = None,
 ) -> tfds.core.DatasetBuilder:
     """Returns the dataset builder of `source`, preparing our local datasets if needed.
 
@@ -273,6 +279,9 @@ def build_source(
       rebuild: delete the prepared dataset (this version of it) and build it again from
         `files` (default: the files it was built from). Under the build lock in a local data
         dir; nothing may read the dataset meanwhile. Our local sources only.
+      limits: the bounds of reading the input files when it is built (config.data.
+        max_line_bytes / max_blank_lines; default `files.DEFAULT_LINE_LIMITS`); not part of
+        the dataset's identity (see `LocalTextConfig`).
 
     Returns:
       A `tfds.core.DatasetBuilder`. Our datasets are prepared (ArrayRecord in a local data dir,
@@ -296,9 +305,9 @@ def build_source(
         hide_accelerators_from_tensorflow()  # catalog datasets are TFRecord: read by TF
         return tfds.builder(source.name, data_dir=data_dir)
     given = (files,) if isinstance(files, str) else tuple(files or source.files)
-    builder = _local_builder(source, data_dir, given)
+    builder = _local_builder(source, data_dir, given, limits)
     if rebuild:
-        return _rebuild(source, builder, data_dir, given)
+        return _rebuild(source, builder, data_dir, given, limits)
     if builder.is_prepared():
         # Only files the caller named are compared: a name alone means "use what is there".
         check_inputs(builder, source.name, given, data_dir)
@@ -310,7 +319,7 @@ def build_source(
         )
     with build_lock(builder):
         # Another process may have built it while we waited: look at the disk again.
-        builder = _local_builder(source, data_dir, given)
+        builder = _local_builder(source, data_dir, given, limits)
         if builder.is_prepared():
             check_inputs(builder, source.name, given, data_dir)
             return builder
@@ -320,12 +329,16 @@ def build_source(
 
 
 def _rebuild(
-    source: Source, builder: LocalTextBuilder, data_dir: str | None, given: tuple[str, ...]
+    source: Source,
+    builder: LocalTextBuilder,
+    data_dir: str | None,
+    given: tuple[str, ...],
+    limits: LineLimits | None,
 ) -> LocalTextBuilder:
     """`build_source(..., rebuild=True)`: delete the prepared version, build it again."""
     if not given and builder.is_prepared():
         given = recorded_files(builder)
-        builder = _local_builder(source, data_dir, given)
+        builder = _local_builder(source, data_dir, given, limits)
     if not builder.config.files:
         raise ValueError(
             f"files: cannot rebuild {source.name!r} in {builder.data_dir}: no input files "
@@ -336,7 +349,7 @@ def _rebuild(
     with build_lock(builder):
         delete_prepared(builder)
         # A new builder: the old one holds the deleted dataset's info and file format.
-        builder = _local_builder(source, data_dir, given)
+        builder = _local_builder(source, data_dir, given, limits)
         builder.download_and_prepare()
     logging.info("rebuilt %s at %s: %s", source.name, builder.data_dir, counters(builder))
     return builder
@@ -448,6 +461,7 @@ def prepare_sources(
     *,
     data_dir: str | os.PathLike | None = None,
     rebuild: bool = False,
+    limits: LineLimits | None = None,
 ) -> list[dict[str, object]]:
     """Builds the local sources of a mixture (run once, on one process) and reports on each.
 
@@ -456,6 +470,7 @@ def prepare_sources(
       data_dir: TFDS data dir (None: `$TFDS_DATA_DIR`, else TFDS's default).
       rebuild: rebuild our local sources from their files (see `build_source`); catalog
         datasets are reported as they are.
+      limits: the bounds of reading their files (see `build_source`).
 
     Returns:
       One dict per source: `source`, `weight`, `data_dir`, `prepared`, and once prepared
@@ -464,7 +479,9 @@ def prepare_sources(
     mixture = parse_sources(spec) if isinstance(spec, str) else list(spec)
     reports: list[dict[str, object]] = []
     for source in mixture:
-        builder = build_source(source, data_dir=data_dir, rebuild=rebuild and source.is_local)
+        builder = build_source(
+            source, data_dir=data_dir, rebuild=rebuild and source.is_local, limits=limits
+        )
         report: dict[str, object] = {
             "source": source.name,
             "weight": source.weight,

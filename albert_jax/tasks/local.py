@@ -19,6 +19,12 @@ was skipped. Nothing is dropped silently. A file that cannot be read as a whole 
 file that is truncated or not UTF-8, a JSON Lines file without one UTF-8 line) raises one
 ValueError naming the file, the line and the reason.
 
+Reading is bounded (`files.LineLimits`, config.data.max_line_bytes / max_blank_lines): a line
+longer than the cap is skipped without being held whole (`line_too_long`), a run of blank lines
+past the cap ends the file's read (`blank_run_too_long`, at its line), and a SQuAD JSON file
+larger than the line cap is refused: a small gzip that expands to gigabytes costs seconds and
+bounded memory, not the host.
+
 The files may be local or on gs://, and gzip'ed (detected from the content, not the file name).
 A JSON Lines record's id is `<file stem>-<line index>` (dev.jsonl line 3: `dev-2`); when several
 files of a set share a name, `read_files` names them by their folders too (`a/dev-2`,
@@ -57,6 +63,9 @@ VITAMINC_LABELS: tuple[str, ...] = ("entailment", "neutral", "contradiction")
 SENTIMENT_LABELS: tuple[str, ...] = ("negative", "positive")
 # RACE-style multiple choice: the head scores a fixed number of options per question.
 DEFAULT_NUM_CHOICES = 4
+# Bounds of the task files' lines (config.data.max_line_bytes / max_blank_lines): a record, or a
+# whole SQuAD JSON file (the official ones are one line of up to ~40 MB), is far below the cap.
+LINE_LIMITS = files.DEFAULT_LINE_LIMITS
 
 
 def _log_summary(path: PathLike, stats: ReadStats) -> None:
@@ -112,15 +121,22 @@ def file_names(paths: Sequence[PathLike]) -> list[str]:
     return names
 
 
-def read_json(path: PathLike) -> Any:
+def read_json(path: PathLike, limits: files.LineLimits | None = None) -> Any:
     """The content of a whole JSON file (gzip'ed or not, local or gs://), e.g. SQuAD data or
     predictions. The one place that names the file when it cannot be parsed: a truncated file,
     bad JSON or bytes that are not UTF-8 raise one ValueError with the path, the line and column
-    and the reason (the original error chained)."""
+    and the reason (the original error chained); so does a file of more than
+    `limits.max_line_bytes` (default `LINE_LIMITS`) once decompressed, read no further."""
+    max_bytes = (limits or LINE_LIMITS).max_line_bytes
     # Bytes first, decoded here: a decode error then has its offset in the file (a text stream
     # reports it within a buffer), so the message can give the line.
     with files.open_binary(path) as f:
-        data = f.read()
+        data = files.read_at_most(f, max_bytes)
+    if data is None:  # one JSON value: no part of it can be kept
+        raise ValueError(
+            f"{os.fspath(path)}: more than {max_bytes} bytes once decompressed; raise "
+            "config.data.max_line_bytes if the file is really that large"
+        )
     try:
         # utf-8-sig: a leading byte-order mark (editors on Windows write one) is not content.
         content = data.decode("utf-8-sig")
@@ -144,11 +160,13 @@ def read_json(path: PathLike) -> Any:
 
 
 def _jsonl_records(
-    path: PathLike, stats: ReadStats, name: str | None = None
+    path: PathLike, stats: ReadStats, name: str | None, limits: files.LineLimits
 ) -> Iterator[tuple[str, str, dict]]:
     """Yields (id, location, record) for every JSON object line; counts the lines that are not
-    (`bad_utf8`, `invalid_json`, `not_an_object`). name: what ids and locations call the file
-    (`file_names`; default: its file name).
+    (`bad_utf8`, `invalid_json`, `not_an_object`), those longer than `limits.max_line_bytes`
+    (`line_too_long`: skipped unread) and a run of blank lines past `limits.max_blank_lines`
+    (`blank_run_too_long`: the rest of the file is not read), each with its "file:line". name:
+    what ids and locations call the file (`file_names`; default: its file name).
 
     Raises:
       ValueError: naming the file when it has lines but none of them is UTF-8 (a binary file,
@@ -157,20 +175,25 @@ def _jsonl_records(
     base = name or _file_name(path)
     stem = _without_suffixes(base)
     decoded, undecodable, first_undecodable = 0, 0, 0
+
+    def skipped(reason: str, line_number: int) -> None:
+        stats.read += reason == files.LINE_TOO_LONG  # a record; the end of a blank run is not
+        stats.skip(reason, f"{base}:{line_number}")
+
     # Lines are decoded one by one (not through a text stream) so that one undecodable byte
     # costs its line only, counted like any other bad record, instead of ending the read.
     with files.open_binary(path) as f:
-        for line_number, raw in enumerate(f):
-            where = f"{base}:{line_number + 1}"
+        for line_number, raw in files.read_lines(f, path, limits, skipped):
+            where = f"{base}:{line_number}"
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
                 stats.read += 1
                 stats.skip("bad_utf8", where)
                 undecodable += 1
-                first_undecodable = first_undecodable or line_number + 1
+                first_undecodable = first_undecodable or line_number
                 continue
-            if line_number == 0:
+            if line_number == 1:
                 line = line.removeprefix("\ufeff")  # a byte-order mark is not content
             if not line.strip():
                 continue  # blank lines (e.g. a trailing newline) hold no record
@@ -184,7 +207,8 @@ def _jsonl_records(
             if not isinstance(record, dict):
                 stats.skip("not_an_object", where)
                 continue
-            yield f"{stem}-{line_number}", where, record
+            # Ids count lines from 0, as they always have (predictions files are keyed by them).
+            yield f"{stem}-{line_number - 1}", where, record
     if undecodable and not decoded:
         raise ValueError(
             f"{os.fspath(path)}: none of its {undecodable} lines is UTF-8 text (the first at "
@@ -229,12 +253,14 @@ def _read_jsonl(
     parse: Callable[[str, dict], Any],
     stats: ReadStats | None,
     name: str | None = None,
+    limits: files.LineLimits | None = None,
 ) -> list:
     """Applies parse(id, record) to each line of a JSON Lines file; skips and counts bad ones.
-    name: what ids and locations call the file (`file_names`; default: its file name)."""
+    name: what ids and locations call the file (`file_names`; default: its file name);
+    limits: the bounds of its lines (default `LINE_LIMITS`)."""
     file_stats = ReadStats()
     examples = []
-    for example_id, where, record in _jsonl_records(path, file_stats, name):
+    for example_id, where, record in _jsonl_records(path, file_stats, name, limits or LINE_LIMITS):
         try:
             examples.append(parse(example_id, record))
         except BadRecordError as bad:
@@ -248,7 +274,11 @@ def _read_jsonl(
 
 # ----------------------------------------------------------------------------- readers
 def read_sentiment_rt(
-    path: PathLike, *, stats: ReadStats | None = None, name: str | None = None
+    path: PathLike,
+    *,
+    stats: ReadStats | None = None,
+    name: str | None = None,
+    limits: files.LineLimits | None = None,
 ) -> list[ClassificationExample]:
     """sentiment_rt lines {"sentence", "label" 0|1} → ClassificationExample(label=int)."""
 
@@ -259,11 +289,15 @@ def read_sentiment_rt(
             raise BadRecordError("label_out_of_range")
         return ClassificationExample(example_id, sentence, None, label)
 
-    return _read_jsonl(path, parse, stats, name)
+    return _read_jsonl(path, parse, stats, name, limits)
 
 
 def read_sentiment_rt_score(
-    path: PathLike, *, stats: ReadStats | None = None, name: str | None = None
+    path: PathLike,
+    *,
+    stats: ReadStats | None = None,
+    name: str | None = None,
+    limits: files.LineLimits | None = None,
 ) -> list[ClassificationExample]:
     """sentiment_rt lines {"sentence", "score"} → ClassificationExample(label=float score).
 
@@ -275,11 +309,15 @@ def read_sentiment_rt_score(
         sentence = _text_field(record, "sentence")
         return ClassificationExample(example_id, sentence, None, _float_field(record, "score"))
 
-    return _read_jsonl(path, parse, stats, name)
+    return _read_jsonl(path, parse, stats, name, limits)
 
 
 def read_nli_vitaminc(
-    path: PathLike, *, stats: ReadStats | None = None, name: str | None = None
+    path: PathLike,
+    *,
+    stats: ReadStats | None = None,
+    name: str | None = None,
+    limits: files.LineLimits | None = None,
 ) -> list[ClassificationExample]:
     """nli_vitaminc lines {"premise", "hypothesis", "label": name} → index in VITAMINC_LABELS."""
 
@@ -291,7 +329,7 @@ def read_nli_vitaminc(
             raise BadRecordError("unknown_label")
         return ClassificationExample(example_id, premise, hypothesis, VITAMINC_LABELS.index(label))
 
-    return _read_jsonl(path, parse, stats, name)
+    return _read_jsonl(path, parse, stats, name, limits)
 
 
 def read_mc_cosmosqa(
@@ -299,6 +337,7 @@ def read_mc_cosmosqa(
     *,
     stats: ReadStats | None = None,
     name: str | None = None,
+    limits: files.LineLimits | None = None,
     num_choices: int = DEFAULT_NUM_CHOICES,
 ) -> list[MultipleChoiceExample]:
     """mc_cosmosqa lines {"context", "question", "options", "label"} → MultipleChoiceExample.
@@ -336,7 +375,7 @@ def read_mc_cosmosqa(
             label=label,
         )
 
-    return _read_jsonl(path, parse, stats, name)
+    return _read_jsonl(path, parse, stats, name, limits)
 
 
 def _nearest_occurrence(context: str, text: str, near: int) -> int:
@@ -386,6 +425,7 @@ def read_squad(
     *,
     stats: ReadStats | None = None,
     name: str | None = None,
+    limits: files.LineLimits | None = None,
     relocate_answers: bool = True,
 ) -> list[SpanExample]:
     """A SQuAD v1.1 or v2.0 JSON file (gzip'ed or not) → one SpanExample per question.
@@ -397,7 +437,7 @@ def read_squad(
     skipped (registry checks them across the files of an eval set). name: what bad-record
     locations call the file (default: its file name).
     """
-    dataset = read_json(path)
+    dataset = read_json(path, limits)
     if not isinstance(dataset, dict) or not isinstance(dataset.get("data"), list):
         raise ValueError(f"{os.fspath(path)}: not SQuAD JSON: expected a top-level 'data' list")
     base = name or _file_name(path)
@@ -490,24 +530,32 @@ TASKS: dict[str, LocalTask] = {
 
 
 def read_task(
-    name: str, paths: PathLike | Sequence[PathLike], *, stats: ReadStats | None = None
+    name: str,
+    paths: PathLike | Sequence[PathLike],
+    *,
+    stats: ReadStats | None = None,
+    limits: files.LineLimits | None = None,
 ) -> list:
     """All records of a local task from one or more files, in file order: paths, globs or
     comma-separated lists of them, local or gs:// (`files.expand`: a ValueError names a pattern
-    that matches no file)."""
+    that matches no file); limits: the bounds of their lines (default `LINE_LIMITS`)."""
     if name not in TASKS:
         raise ValueError(f"task: unknown local task {name!r}; known: {sorted(TASKS)}")
-    per_file = read_files(TASKS[name].reader, expand_paths(paths), stats=stats)
+    per_file = read_files(TASKS[name].reader, expand_paths(paths), stats=stats, limits=limits)
     return [example for _, examples in per_file for example in examples]
 
 
 def read_files(
-    reader: Callable[..., list], paths: Sequence[PathLike], *, stats: ReadStats | None = None
+    reader: Callable[..., list],
+    paths: Sequence[PathLike],
+    *,
+    stats: ReadStats | None = None,
+    limits: files.LineLimits | None = None,
 ) -> list[tuple[str, list]]:
     """(path, records) of each file, in order, read by `reader` (a TASKS reader or read_squad)
     under its `file_names` name: the JSON Lines ids of files that share a name still differ."""
     names = file_names(paths)
     return [
-        (os.fspath(path), reader(path, stats=stats, name=name))
+        (os.fspath(path), reader(path, stats=stats, name=name, limits=limits))
         for path, name in zip(paths, names, strict=True)
     ]

@@ -140,10 +140,10 @@ def _unique_ids(per_file: list[tuple[str, list]], field: str) -> None:
 
 
 def _read_files(
-    name: str, files: str, field: str, stats: local.ReadStats
+    name: str, files: str, field: str, stats: local.ReadStats, limits: file_io.LineLimits
 ) -> tuple[list[str], list, list[str]]:
-    """(paths, examples [N], each example's path [N]) of the files `files` (config.data.<field>);
-    the files of an eval set must have unique ids."""
+    """(paths, examples [N], each example's path [N]) of the files `files` (config.data.<field>),
+    their lines bounded by `limits`; the files of an eval set must have unique ids."""
     spec = get_task(name)
     if spec.source not in ("local", "squad"):
         raise ValueError(
@@ -157,7 +157,7 @@ def _read_files(
         if repeated:
             raise ValueError(f"config.data.{field} lists {repeated[0]} more than once")
     reader = local.read_squad if spec.source == "squad" else local.TASKS[name].reader
-    per_file = local.read_files(reader, paths, stats=stats)
+    per_file = local.read_files(reader, paths, stats=stats, limits=limits)
     if field == "eval_files":  # training has no predictions: repeated ids do no harm there
         _unique_ids(per_file, field)
     examples = [e for _, file_examples in per_file for e in file_examples]
@@ -174,9 +174,10 @@ def _read(name: str, data: Any, files: str, field: str, split: str, max_examples
     squad_dataset = None
     sources = None
     if files:
-        paths, examples, sources = _read_files(name, files, field, stats)
+        limits = file_io.LineLimits.from_config(data, "config.data", local.LINE_LIMITS)
+        paths, examples, sources = _read_files(name, files, field, stats, limits)
         if squad_version and len(paths) == 1 and max_examples <= 0:
-            squad_dataset = local.read_json(paths[0])  # score against the file itself
+            squad_dataset = local.read_json(paths[0], limits)  # score against the file itself
         label = ",".join(paths)
     elif spec.source == "local":
         raise ValueError(

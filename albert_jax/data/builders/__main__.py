@@ -21,7 +21,7 @@ import json
 
 from absl import app, flags
 
-from albert_jax import cli
+from albert_jax import cli, files
 from albert_jax.data.sources import prepare_sources
 
 _SOURCES = flags.DEFINE_string(
@@ -37,11 +37,25 @@ _REBUILD = flags.DEFINE_bool(
     "from their files as they are now (nothing may read them meanwhile).",
 )
 
+_MAX_LINE_BYTES = flags.DEFINE_integer(
+    "max_line_bytes",
+    files.DEFAULT_MAX_LINE_BYTES,
+    "Longest input line (and whole-file document) read; longer ones are skipped and counted.",
+)
+_MAX_BLANK_LINES = flags.DEFINE_integer(
+    "max_blank_lines",
+    files.DEFAULT_MAX_BLANK_LINES,
+    "Longest run of blank lines read; a longer one ends its file's read (counted).",
+)
+
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    reports = prepare_sources(_SOURCES.value, data_dir=_DATA_DIR.value, rebuild=_REBUILD.value)
+    limits = files.LineLimits(_MAX_LINE_BYTES.value, _MAX_BLANK_LINES.value)
+    reports = prepare_sources(
+        _SOURCES.value, data_dir=_DATA_DIR.value, rebuild=_REBUILD.value, limits=limits
+    )
     for report in reports:
         print(json.dumps(report), flush=True)
 

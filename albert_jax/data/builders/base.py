@@ -42,7 +42,12 @@ from absl import logging
 
 from albert_jax.data.builders.prepared import fingerprint, new_build_id
 from albert_jax.data.builders.text_files import resolve_files
-from albert_jax.files import is_local
+from albert_jax.files import (
+    DEFAULT_MAX_BLANK_LINES,
+    DEFAULT_MAX_LINE_BYTES,
+    LineLimits,
+    is_local,
+)
 from albert_jax.process_setup import hide_accelerators_from_tensorflow
 
 if TYPE_CHECKING:
@@ -52,6 +57,9 @@ TRAIN = "train"
 VALIDATION = "validation"
 VERSION = tfds.core.Version("1.0.0")
 _READ_CHUNK = 256  # records fetched per random-access call when streaming
+# LocalTextConfig fields left out of the dataset's recorded config (see its docstring): a dataset
+# prepared before they existed, or with other bounds, is still the same dataset.
+_NOT_IDENTITY = frozenset({"max_line_bytes", "max_blank_lines"})
 
 
 @dataclasses.dataclass
@@ -62,19 +70,32 @@ class LocalTextConfig(tfds.core.BuilderConfig):
       files: file paths, globs or directories (local or gs://); see `resolve_files`.
       validation_fraction: share of documents (by title hash) held out as `validation`;
         0 builds `train` only.
+      max_line_bytes, max_blank_lines: the bounds of reading the files (`files.LineLimits`):
+        longer lines and whole-file documents are skipped and counted (`lines_too_long`,
+        `documents_too_long`), a longer run of blank lines ends its file's read
+        (`blank_runs_too_long`). Not part of the dataset's identity (`_config_record`): they
+        only guard the host against broken files, and what they skipped is in the counters.
     """
 
     files: tuple[str, ...] = ()
     validation_fraction: float = 0.01
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    max_blank_lines: int = DEFAULT_MAX_BLANK_LINES
 
     def __post_init__(self):
         if isinstance(self.files, str):
             self.files = (self.files,)
         self.files = tuple(str(f) for f in self.files)
+        _ = self.line_limits  # bad bounds raise here (naming the field), not mid-build
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ValueError(
                 f"validation_fraction must be in [0, 1), got {self.validation_fraction}"
             )
+
+    @property
+    def line_limits(self) -> LineLimits:
+        """`max_line_bytes` and `max_blank_lines` as the `files.read_lines` bounds."""
+        return LineLimits(self.max_line_bytes, self.max_blank_lines)
 
 
 def file_format_for(data_dir: str | os.PathLike) -> str:
@@ -195,6 +216,7 @@ class LocalTextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     def _config_record(self) -> dict[str, Any]:
         """The config fields that decide the content (stored to detect stale datasets)."""
         skip = {f.name for f in dataclasses.fields(tfds.core.BuilderConfig)} | {"files"}
+        skip |= _NOT_IDENTITY
         return {
             f.name: getattr(self.config, f.name)
             for f in dataclasses.fields(self.config)

@@ -15,7 +15,9 @@ Cleaning, per book:
 
 Title = file name without suffixes (`austen/emma.txt` -> `emma`). Invalid UTF-8 is replaced and
 counted (`decode_errors`), empty books are skipped (`empty_documents`); a compressed book cut
-short stops the build with an error naming it.
+short stops the build with an error naming it. A book larger than `max_line_bytes` (64 MiB by
+default; the longest real books are a few MB) is skipped unread and counted
+(`documents_too_long`): a small gzip that expands to gigabytes costs no more memory than that.
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ import re
 from collections.abc import Callable, Iterator
 
 from albert_jax.data.builders.base import LocalTextBuilder, LocalTextConfig, Tally
-from albert_jax.data.builders.text_files import decode_utf8, stem
-from albert_jax.files import open_binary
+from albert_jax.data.builders.text_files import decode_utf8, read_document, stem
 
 _GUTENBERG_START = re.compile(
     r"^\s*\*{3}\s*START OF (THE|THIS) PROJECT GUTENBERG E-?BOOK.*$", re.IGNORECASE | re.MULTILINE
@@ -67,12 +68,14 @@ class Books(LocalTextBuilder, skip_registration=True):
     def _read_documents(
         self, files: list[str], wants: Callable[[str], bool], tally: Tally
     ) -> Iterator[tuple[str, str, str]]:
+        limits = self.config.line_limits
         for file_index, path in enumerate(files):
             title = stem(path)
             if not wants(title):
                 continue
-            with open_binary(path) as f:
-                text, invalid = decode_utf8(f.read())
+            if (data := read_document(path, limits, tally)) is None:
+                continue
+            text, invalid = decode_utf8(data)
             if invalid:
                 tally.document("decode_errors")
             text, removed = strip_gutenberg_boilerplate(text)

@@ -19,6 +19,11 @@ replacement (`decode_errors`, per document), unparseable JSON lines are skipped
 (`bad_records`), records without a string title get `<file name>:<line number>`
 (`untitled_records`), empty documents are skipped (`empty_documents`). A compressed file that
 is cut short or corrupt stops the build with an error naming the file and the line.
+
+Reading is bounded (`LocalTextConfig.max_line_bytes`, `max_blank_lines`): a longer line is
+skipped without being held whole (`lines_too_long`), a longer document file is skipped unread
+(`documents_too_long`), and a longer run of blank lines ends that file's read
+(`blank_runs_too_long`); each is logged with the file and the line.
 """
 
 from __future__ import annotations
@@ -29,8 +34,14 @@ import re
 from collections.abc import Callable, Iterator
 
 from albert_jax.data.builders.base import LocalTextBuilder, LocalTextConfig, Tally
-from albert_jax.data.builders.text_files import COMPRESSION_SUFFIXES, decode_utf8, read_lines, stem
-from albert_jax.files import open_binary
+from albert_jax.data.builders.text_files import (
+    COMPRESSION_SUFFIXES,
+    decode_utf8,
+    read_document,
+    read_lines,
+    stem,
+)
+from albert_jax.files import LineLimits
 
 TEXT_FORMATS = ("auto", "jsonl", "document_per_file", "sentence_per_line")
 _JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -79,17 +90,18 @@ class Documents(LocalTextBuilder, skip_registration=True):
             "document_per_file": _read_document_file,
             "sentence_per_line": _read_sentence_per_line,
         }
+        limits = self.config.line_limits
         for file_index, path in enumerate(files):
             read = readers[self._format_of(path)]
-            for index, title, text in read(path, wants, tally):
+            for index, title, text in read(path, wants, tally, limits):
                 yield f"{file_index:06d}:{index}", title, text
 
 
 def _read_jsonl(
-    path: str, wants: Callable[[str], bool], tally: Tally
+    path: str, wants: Callable[[str], bool], tally: Tally, limits: LineLimits
 ) -> Iterator[tuple[int, str, str]]:
     name = stem(path)
-    for line_number, raw in enumerate(read_lines(path), start=1):
+    for line_number, raw in read_lines(path, limits, tally):
         if not raw.strip():
             continue
         line, invalid = decode_utf8(raw)
@@ -121,20 +133,21 @@ def _replace_surrogates(text: str) -> tuple[str, bool]:
 
 
 def _read_document_file(
-    path: str, wants: Callable[[str], bool], tally: Tally
+    path: str, wants: Callable[[str], bool], tally: Tally, limits: LineLimits
 ) -> Iterator[tuple[int, str, str]]:
     title = stem(path)
     if not wants(title):
         return
-    with open_binary(path) as f:
-        text, invalid = decode_utf8(f.read())
+    if (data := read_document(path, limits, tally)) is None:
+        return
+    text, invalid = decode_utf8(data)
     if invalid:
         tally.document("decode_errors")
     yield 0, title, text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _read_sentence_per_line(
-    path: str, wants: Callable[[str], bool], tally: Tally
+    path: str, wants: Callable[[str], bool], tally: Tally, limits: LineLimits
 ) -> Iterator[tuple[int, str, str]]:
     name = stem(path)
     sentences: list[str] = []
@@ -149,7 +162,7 @@ def _read_sentence_per_line(
             tally.document("decode_errors")
         return index, title, "\n".join(sentences)
 
-    for raw in read_lines(path):
+    for _, raw in read_lines(path, limits, tally):
         line, invalid = decode_utf8(raw)
         line = line.strip()
         if line:
