@@ -17,7 +17,9 @@ import io
 import json
 import os
 import re
+import socket
 import tempfile
+import time
 import uuid
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -134,7 +136,9 @@ def open_atomic(path: PathLike) -> Iterator[BinaryIO]:
                 while chunk := staged.read(_UPLOAD_CHUNK):
                     f.write(chunk)
         return
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
+    # Host and pid in the name: `sweep_temporaries` can tell a killed writer's leftover from
+    # a file another process is writing right now.
+    tmp = target.parent / f".{target.name}{_TMP_TAG}{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         with tmp.open("wb") as f:
             yield f
@@ -142,6 +146,57 @@ def open_atomic(path: PathLike) -> Iterator[BinaryIO]:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+_TMP_TAG = ".tmp-"
+# A temporary file from another host is taken as abandoned only after this long (its
+# writer's pid cannot be checked from here).
+_FOREIGN_TMP_AGE_S = 24 * 3600
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
+
+
+def sweep_temporaries(directory: PathLike) -> int:
+    """Deletes the temporary files that `open_atomic` writers killed mid-write left in a local
+    `directory` (`.NAME.tmp-HOST-PID-ID`): those of this host whose process is gone, and
+    other hosts' once a day old. Returns how many it deleted (logged)."""
+    folder = os.fspath(absolute(directory))
+    if not is_local(folder) or not os.path.isdir(folder):
+        return 0
+    host, swept = _host(), 0
+    for name in os.listdir(folder):
+        if not name.startswith(".") or _TMP_TAG not in name:
+            continue
+        owner = name.rsplit(_TMP_TAG, 1)[1].rsplit("-", 2)
+        path = os.path.join(folder, name)
+        if len(owner) == 3 and owner[0] == host:
+            abandoned = not pid_alive(owner[1])
+        else:
+            try:
+                abandoned = time.time() - os.stat(path).st_mtime > _FOREIGN_TMP_AGE_S
+            except FileNotFoundError:
+                continue
+        if abandoned:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                swept += 1
+    if swept:
+        logging.warning("%s: deleted %d temporary files of killed writers", folder, swept)
+    return swept
+
+
+def pid_alive(pid: Any) -> bool:
+    """Whether process `pid` of this host exists (True when that cannot be told: another
+    user's process, or not a pid)."""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError):
+        return True
+    return True
 
 
 def write_json(path: PathLike, content: Any, *, indent: int | None = 1) -> str:

@@ -73,16 +73,6 @@ def describe(holder: dict[str, Any] | None) -> str:
     return text
 
 
-def _pid_alive(pid: Any) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, ValueError, TypeError):
-        return True  # another user's process, or an unreadable pid: assume it lives
-    return True
-
-
 def _parse(data: bytes) -> dict[str, Any] | None:
     try:
         holder = json.loads(data.decode("utf-8"))
@@ -213,7 +203,7 @@ class _ObjectLease:
             generation = 0
         else:
             here = bool(holder) and holder.get("host") == socket.gethostname()
-            dead_here = here and not _pid_alive(holder.get("pid"))
+            dead_here = here and not files.pid_alive(holder.get("pid"))
             stale = age is not None and age > self.stale_after_s
             if not (stale or dead_here):
                 after = max(self.stale_after_s - (age or 0.0), 0.0)

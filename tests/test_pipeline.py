@@ -402,6 +402,33 @@ def test_cache_entry_without_its_marker_is_rebuilt(tokenizer, sources, tmp_path)
     ]
 
 
+def test_a_killed_writers_temporary_files_are_swept(tokenizer, sources, tmp_path):
+    """#58: a build killed mid-write left `.tokens.npy.tmp-*` in the entry for ever. The next
+    load deletes those of dead processes of this host (and, a day old, other hosts'), not a
+    file a live process is writing."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    _, _, entry = _load_one_shard(sources[1], tokenizer, tmp_path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    killed = os.path.join(entry, f".tokens.npy.tmp-{host}-{dead.pid}-0badf00d")
+    writing = os.path.join(entry, f".tokens.npy.tmp-{host}-{os.getpid()}-1111aaaa")
+    elsewhere = os.path.join(entry, ".tokens.npy.tmp-otherhost-1-2222bbbb")
+    old = os.path.join(entry, ".tokens.npy.tmp-otherhost-1-3333cccc")
+    for path in (killed, writing, elsewhere, old):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 1000)
+    week_ago = time.time() - 7 * 24 * 3600
+    os.utime(old, (week_ago, week_ago))
+    _load_one_shard(sources[1], tokenizer, tmp_path)
+    left = {os.path.basename(p) for p in (writing, elsewhere)}
+    assert {n for n in os.listdir(entry) if n.startswith(".")} == left
+
+
 def test_demo_on_gs_feeds_the_pipeline(gcs, tokenizer, tmp_path, monkeypatch):
     """The demo built into a gs:// data dir (TFRecord: ArrayRecord's writer cannot write
     there) gives the batches a local (ArrayRecord) build gives, with the tokenized cache in a

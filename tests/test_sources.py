@@ -165,6 +165,20 @@ def test_concurrent_builds_of_one_source_build_it_once(tmp_path):
     assert os.listdir(os.path.dirname(builders[0].data_dir)) == ["1.0.0"]  # no leftovers
 
 
+def test_a_killed_builds_incomplete_folder_is_swept_by_the_next_build(tmp_path):
+    """#58: TFDS builds into `incomplete.<id>_<version>` and renames it at the end; a build
+    killed before that left the folder for ever. The next build (under the build lock, where
+    no other build runs) deletes it."""
+    data_dir = str(tmp_path)
+    config_dir = tmp_path / "albert_demo" / "default"  # <data dir>/<name>/<config>
+    leftover = config_dir / "incomplete.K1LLED_1.0.0"
+    os.makedirs(leftover / "sub")
+    (leftover / "sub" / "demo-train.array_record-00000-of-00001").write_bytes(b"half")
+    builder = build_source("demo", data_dir=data_dir)
+    assert os.path.dirname(builder.data_dir) == str(config_dir)
+    assert sorted(os.listdir(config_dir)) == ["1.0.0"]
+
+
 def test_tfds_data_dir_environment_variable_is_respected(tmp_path, monkeypatch):
     monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path))
     builder = build_source(Source("demo"))

@@ -224,6 +224,7 @@ def load_tokenized(
     """
     entry = files.as_path(cache_path(cache_dir, source, split, shard_index, shard_count, tokenizer))
     local = entry if files.is_local(entry) else _mirror(entry)
+    files.sweep_temporaries(local)  # arrays of writers killed mid-write
     build = source.build_identity() if source.build_identity is not None else None
     stats = _marker(entry)
     if stats is None or (build is not None and stats.get(BUILD_KEY, "") != build):

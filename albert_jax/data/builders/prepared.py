@@ -176,9 +176,18 @@ def build_lock(builder: Any) -> Iterator[None]:
     with (config_dir.parent / f".{config_dir.name}.lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
+            _sweep_incomplete(config_dir)
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _sweep_incomplete(config_dir: Any) -> None:
+    """Deletes the `incomplete.*` folders of builds killed before TFDS renamed them into
+    place. Called under the build lock, where no build of this dataset is running."""
+    for leftover in config_dir.glob("incomplete.*") if config_dir.exists() else ():
+        logging.warning("deleting %s: a build of it was killed before it finished", leftover)
+        leftover.rmtree()
 
 
 def recorded_files(builder: Any) -> tuple[str, ...]:
