@@ -12,7 +12,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from albert_jax import files
+from albert_jax import line_reading
 from albert_jax.config import RUNTIME_FIELDS, ModelConfig
 from albert_jax.tasks import registry
 from albert_jax.tasks.registry import TaskSpec
@@ -83,7 +83,9 @@ def validate_config(config: Any) -> TaskSpec:
         )
     if not 0.0 <= config.warmup_fraction < 1.0:
         raise ValueError(f"config.warmup_fraction must be in [0, 1), got {config.warmup_fraction}")
-    files.LineLimits.from_config(config.data, "config.data")  # max_line_bytes, max_blank_lines
+    line_reading.LineLimits.from_config(
+        config.data, "config.data"
+    )  # max_line_bytes, max_blank_lines
     return spec
 
 

@@ -13,7 +13,7 @@ import jax
 from absl import logging
 from jax.experimental import multihost_utils
 
-from albert_jax import checkpointing, files
+from albert_jax import checkpointing, files, line_reading
 from albert_jax.config import model_config_from
 from albert_jax.train_config import config_field
 
@@ -104,7 +104,7 @@ def build_sources(config: Any) -> None:
     from albert_jax.data import sources
 
     # config.data.max_line_bytes / max_blank_lines bound the reading of the input files.
-    limits = files.LineLimits.from_config(config_field(config, "data"), "config.data")
+    limits = line_reading.LineLimits.from_config(config_field(config, "data"), "config.data")
     if jax.process_index() == 0:
         for src in sources.parse_sources(config.data.sources):
             if src.is_local:

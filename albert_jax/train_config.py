@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from albert_jax import files, optim, sharding
+from albert_jax import files, line_reading, optim, sharding
 from albert_jax.config import ModelConfig, model_config_from
 
 PyTree = Any
@@ -160,7 +160,8 @@ def validate_config(
     from albert_jax.data.pipeline import DataConfig
 
     DataConfig.from_config(config).validate(processes)
-    files.LineLimits.from_config(config_field(config, "data"), "config.data")  # building sources
+    # The read bounds of building the sources (prepare.build_sources).
+    line_reading.LineLimits.from_config(config_field(config, "data"), "config.data")
     if config_field(config, "data.masked_lm_prob") == 0:  # valid for an ablation, else a slip
         if objective == "none":
             raise ValueError(

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from albert_jax import files
+from albert_jax import line_reading
 from configs.common import parse_arg
 
 # name: (learning_rate, batch_size, num_train_steps, warmup_steps, max_seq_length, dropout);
@@ -93,11 +93,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # N questions). tasks/registry.subset.
     c.data.max_train_examples = 0
     c.data.max_eval_examples = 0
-    # Bounds of reading the task files (files.LineLimits): a longer line is skipped and counted
-    # (`line_too_long`) without being held whole; a SQuAD JSON file larger than it is refused.
-    c.data.max_line_bytes = files.DEFAULT_MAX_LINE_BYTES  # 64 MiB
+    # Bounds of reading the task files (line_reading.LineLimits): a longer line is skipped and
+    # counted (`line_too_long`) without being held whole; a larger SQuAD JSON file is refused.
+    c.data.max_line_bytes = line_reading.DEFAULT_MAX_LINE_BYTES  # 64 MiB
     # More blank lines in a row end that file's read (counted as `blank_run_too_long`).
-    c.data.max_blank_lines = files.DEFAULT_MAX_BLANK_LINES  # 100k
+    c.data.max_blank_lines = line_reading.DEFAULT_MAX_BLANK_LINES  # 100k
 
     # --- featurization
     c.max_seq_length = 512  # tokens per sequence (per option for multiple choice)

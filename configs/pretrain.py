@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from albert_jax import files
+from albert_jax import line_reading
 from albert_jax.config import ModelConfig
 from configs.common import parse_arg
 
@@ -94,13 +94,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Sentences sampled (per run, weighted over sources) when the run trains its own tokenizer
     # (data.tokenizer unset): bounds the time; the demo corpus has ~37k sentences.
     c.data.tokenizer_max_sentences = 100_000 if tiny else 1_000_000
-    # Bounds of reading our sources' input files when they are built (files.LineLimits): a
-    # longer line (or whole-file document: books, document_per_file) is skipped and counted
+    # Bounds of reading our sources' input files when they are built (line_reading.LineLimits):
+    # a longer line (or whole-file document: books, document_per_file) is skipped and counted
     # (`lines_too_long` / `documents_too_long`) without being held whole; more blank lines in
     # a row end that file's read (`blank_runs_too_long`). Not part of a prepared dataset's
     # identity: what they skipped is in its counters.
-    c.data.max_line_bytes = files.DEFAULT_MAX_LINE_BYTES  # 64 MiB
-    c.data.max_blank_lines = files.DEFAULT_MAX_BLANK_LINES  # 100k
+    c.data.max_line_bytes = line_reading.DEFAULT_MAX_LINE_BYTES  # 64 MiB
+    c.data.max_blank_lines = line_reading.DEFAULT_MAX_BLANK_LINES  # 100k
 
     # --- batch shape
     c.batch_size = 32 if tiny else 4096  # global batch (sequences per step)

@@ -28,7 +28,7 @@ from albert_jax.data.builders import (
     counters,
 )
 from albert_jax.data.builders.base import Tally, _title_hash, in_validation
-from albert_jax.files import LineLimits
+from albert_jax.line_reading import LineLimits
 
 WIKI_SAMPLE = "corpora/enwiki-sample-pages-articles.xml.bz2"
 

@@ -17,7 +17,7 @@ import ml_collections
 import pytest
 from etils import epath
 
-from albert_jax import files
+from albert_jax import files, line_reading
 
 
 def _interrupted_write(path: str) -> None:
@@ -138,7 +138,7 @@ def test_stat_and_sha256_local_and_on_gcs(gcs, tmp_path):
 # ---------------------------------------------------------------- bounded line reading
 
 
-def _split_lines(data: bytes, limits: files.LineLimits) -> tuple[list, list]:
+def _split_lines(data: bytes, limits: line_reading.LineLimits) -> tuple[list, list]:
     """What `read_lines` must give: a plain split, long lines skipped, a long blank run ending
     the read; (kept (number, line) pairs, skips (reason, number))."""
     pieces = data.split(b"\n")
@@ -147,12 +147,12 @@ def _split_lines(data: bytes, limits: files.LineLimits) -> tuple[list, list]:
     kept, skips, blank = [], [], 0
     for number, line in enumerate(pieces, 1):
         if len(line) > limits.max_line_bytes:
-            skips.append((files.LINE_TOO_LONG, number))
+            skips.append((line_reading.LINE_TOO_LONG, number))
             blank = 0
             continue
         blank = blank + 1 if not line or line.isspace() else 0
         if blank > limits.max_blank_lines:
-            skips.append((files.BLANK_RUN_TOO_LONG, number))
+            skips.append((line_reading.BLANK_RUN_TOO_LONG, number))
             break
         kept.append((number, line))
     return kept, skips
@@ -170,24 +170,24 @@ def test_read_lines_agrees_with_a_plain_split_at_any_piece_size(monkeypatch):
             for _ in range(rng.randint(0, 30))
         ]
         data = b"\n".join(lines) + rng.choice([b"", b"\n"])
-        limits = files.LineLimits(rng.randint(1, 10), rng.randint(1, 4))
-        monkeypatch.setattr(files, "_LINE_CHUNK", rng.randint(1, 16))
+        limits = line_reading.LineLimits(rng.randint(1, 10), rng.randint(1, 4))
+        monkeypatch.setattr(line_reading, "_LINE_CHUNK", rng.randint(1, 16))
         skips.clear()
-        kept = list(files.read_lines(io.BytesIO(data), "x", limits, record))
-        assert (kept, skips) == _split_lines(data, limits), (data, limits, files._LINE_CHUNK)
+        kept = list(line_reading.read_lines(io.BytesIO(data), "x", limits, record))
+        assert (kept, skips) == _split_lines(data, limits), (data, limits, line_reading._LINE_CHUNK)
 
 
 def test_read_lines_names_the_file_and_line_and_logs_progress(tmp_path, monkeypatch, caplog):
     path = tmp_path / "doc.txt.gz"
     path.write_bytes(gzip.compress(b"ok\n" + b"x" * 5000 + b"\nfine\n" + b"\n" * 10 + b"lost\n"))
-    monkeypatch.setattr(files, "PROGRESS_BYTES", 1000)
+    monkeypatch.setattr(line_reading, "PROGRESS_BYTES", 1000)
     caplog.set_level(logging.INFO)
     skips: list = []
     with files.open_binary(path) as f:
-        limits = files.LineLimits(max_line_bytes=100, max_blank_lines=3)
-        kept = list(files.read_lines(f, path, limits, lambda *s: skips.append(s)))
+        limits = line_reading.LineLimits(max_line_bytes=100, max_blank_lines=3)
+        kept = list(line_reading.read_lines(f, path, limits, lambda *s: skips.append(s)))
     assert kept == [(1, b"ok"), (3, b"fine"), (4, b""), (5, b""), (6, b"")]
-    assert skips == [(files.LINE_TOO_LONG, 2), (files.BLANK_RUN_TOO_LONG, 7)]
+    assert skips == [(line_reading.LINE_TOO_LONG, 2), (line_reading.BLANK_RUN_TOO_LONG, 7)]
     log = caplog.text
     assert f"{path}: line 2 is longer than max_line_bytes=100; skipped" in log
     assert f"{path}: more than max_blank_lines=3 blank lines in a row (lines 4-7)" in log
@@ -198,16 +198,16 @@ def test_read_at_most_never_reads_past_the_cap(tmp_path):
     path = tmp_path / "book.txt.gz"
     path.write_bytes(gzip.compress(b"a" * 1000))
     with files.open_binary(path) as f:
-        assert files.read_at_most(f, 1000) == b"a" * 1000
+        assert line_reading.read_at_most(f, 1000) == b"a" * 1000
     with files.open_binary(path) as f:
-        assert files.read_at_most(f, 999) is None
+        assert line_reading.read_at_most(f, 999) is None
         assert f.read() == b""  # one byte past the cap was read, not the whole file
 
 
 def test_line_limits_from_a_config_name_the_field():
-    assert files.LineLimits.from_config(None) == files.DEFAULT_LINE_LIMITS
+    assert line_reading.LineLimits.from_config(None) == line_reading.DEFAULT_LINE_LIMITS
     config = ml_collections.ConfigDict({"max_line_bytes": 10, "max_blank_lines": None})
-    assert files.LineLimits.from_config(config) == files.LineLimits(10, 100_000)
+    assert line_reading.LineLimits.from_config(config) == line_reading.LineLimits(10, 100_000)
     for bad in (0, -1, True, 2.5, "1"):
         with pytest.raises(ValueError, match=r"config\.data\.max_blank_lines must be an integer"):
-            files.LineLimits.from_config({"max_blank_lines": bad})
+            line_reading.LineLimits.from_config({"max_blank_lines": bad})

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from albert_jax import files
+from albert_jax import files, line_reading
 from albert_jax.finetune_config import validate_config
 from albert_jax.tasks import local, registry
 from albert_jax.tasks.metrics import METRIC_FNS
@@ -372,8 +372,8 @@ def test_a_gigabyte_line_is_skipped_in_bounded_memory(tmp_path):
     assert path.stat().st_size < 2 << 20
     got = _read_in_a_process(path, timeout=120)
     assert got["kept"] == ["good", "fine"]
-    assert got["skipped"] == {files.LINE_TOO_LONG: 1}
-    assert got["first_skipped"] == {files.LINE_TOO_LONG: "big.jsonl.gz:2"}
+    assert got["skipped"] == {line_reading.LINE_TOO_LONG: 1}
+    assert got["first_skipped"] == {line_reading.LINE_TOO_LONG: "big.jsonl.gz:2"}
     # At most the 64 MiB cap of the line is held (in pieces, then dropped), never the line.
     assert got["grew_mib"] < 256, got
 
@@ -387,9 +387,9 @@ def test_a_long_run_of_blank_lines_ends_the_read_in_seconds(tmp_path):
     got = _read_in_a_process(path, timeout=60)
     assert got["seconds"] < 5, got
     assert got["kept"] == ["good"]  # the read stopped in the run: the record after it is lost
-    assert got["skipped"] == {files.BLANK_RUN_TOO_LONG: 1}
+    assert got["skipped"] == {line_reading.BLANK_RUN_TOO_LONG: 1}
     # Line 1 is the record, the run starts at line 2: line 100,002 is its first past the cap.
-    assert got["first_skipped"] == {files.BLANK_RUN_TOO_LONG: "blank.jsonl.gz:100002"}
+    assert got["first_skipped"] == {line_reading.BLANK_RUN_TOO_LONG: "blank.jsonl.gz:100002"}
 
 
 def test_line_limits_come_from_the_config(tmp_path):
@@ -403,16 +403,19 @@ def test_line_limits_come_from_the_config(tmp_path):
     data = {"train_files": str(path), "max_line_bytes": 60, "max_blank_lines": 2}
     train = registry.read_train("sentiment_rt", data)
     assert [e.text_a for e in train.examples] == ["short"]
-    assert train.stats.skipped == {files.LINE_TOO_LONG: 1, files.BLANK_RUN_TOO_LONG: 1}
+    assert train.stats.skipped == {
+        line_reading.LINE_TOO_LONG: 1,
+        line_reading.BLANK_RUN_TOO_LONG: 1,
+    }
     assert train.stats.first_skipped == {
-        files.LINE_TOO_LONG: "train.jsonl:2",
-        files.BLANK_RUN_TOO_LONG: "train.jsonl:5",
+        line_reading.LINE_TOO_LONG: "train.jsonl:2",
+        line_reading.BLANK_RUN_TOO_LONG: "train.jsonl:5",
     }
     # A SQuAD JSON file is one value: larger than the cap, it is refused, naming file and field.
     squad = tmp_path / "dev.json"
     squad.write_text(json.dumps({"data": [{"title": "t", "paragraphs": []}]}))
     with pytest.raises(ValueError, match=r"dev\.json: more than 20 bytes .*max_line_bytes"):
-        local.read_squad(squad, limits=files.LineLimits(max_line_bytes=20))
+        local.read_squad(squad, limits=line_reading.LineLimits(max_line_bytes=20))
     assert local.read_squad(squad) == []
     # Bad bounds fail the config check, naming the field.
     config = finetune_config.get_config("task=sentiment_rt")

@@ -10,7 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from albert_jax import files
+from albert_jax import line_reading
 from albert_jax.data import masking, pretraining, reference_masking, sentences
 from albert_jax.data.pretraining import A_HI, A_LO, B_HI, B_LO, KIND, LABEL
 
@@ -51,7 +51,7 @@ def test_raw_text_reading_is_bounded():
     # A long line is skipped without ending its document; a long blank run ends the read.
     raw = b"One.\n" + b"x" * 21 + b"\nTwo.\n\nThree.\n" + b"\n" * 5 + b"Lost.\n"
     counters = Counter()
-    limits = files.LineLimits(max_line_bytes=20, max_blank_lines=3)
+    limits = line_reading.LineLimits(max_line_bytes=20, max_blank_lines=3)
     docs = list(pretraining.iter_raw_text_documents(raw, limits=limits, counters=counters))
     assert [d["text"] for d in docs] == ["One.\nTwo.", "Three."]
     assert counters == {"lines_too_long": 1, "blank_runs_too_long": 1}

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from albert_jax import files
+from albert_jax import files, line_reading
 from albert_jax.data import masking, sentences
 
 if TYPE_CHECKING:
@@ -191,7 +191,7 @@ def tokenize_one(
 def iter_raw_text_documents(
     source: str | bytes | io.IOBase,
     *,
-    limits: files.LineLimits = files.DEFAULT_LINE_LIMITS,
+    limits: line_reading.LineLimits = line_reading.DEFAULT_LINE_LIMITS,
     counters: Counter | None = None,
 ) -> Iterator[dict]:
     """Reads the official raw format: one sentence per line, a blank line between documents.
@@ -199,10 +199,12 @@ def iter_raw_text_documents(
     `source` is a path (local or `gs://`; gzip / bzip2 detected from the content), bytes, or a
     binary file object (left open). Bytes that are not UTF-8 are kept as bytes in "text" so
     that `tokenize_documents` replaces and counts them. Lines are read within `limits`
-    (`files.read_lines`); `counters` counts `lines_too_long` and `blank_runs_too_long`.
+    (`line_reading.read_lines`); `counters` counts `lines_too_long` and `blank_runs_too_long`.
     """
     name = source if isinstance(source, str) else getattr(source, "name", "<bytes>")
-    on_skip = None if counters is None else lambda r, _: counters.update([files.SKIP_COUNTERS[r]])
+    on_skip = (
+        None if counters is None else lambda r, _: counters.update([line_reading.SKIP_COUNTERS[r]])
+    )
     if isinstance(source, bytes):
         stream: Any = contextlib.nullcontext(io.BytesIO(source))
     elif isinstance(source, str):
@@ -220,7 +222,7 @@ def iter_raw_text_documents(
         return {"title": "", "text": text}
 
     with stream as f:
-        for _, line in files.read_lines(f, str(name), limits, on_skip):
+        for _, line in line_reading.read_lines(f, str(name), limits, on_skip):
             line = line.rstrip(b"\r")
             if line.strip():
                 lines.append(line)
@@ -234,14 +236,16 @@ def iter_raw_text_documents(
 def iter_jsonl_documents(
     path: str,
     *,
-    limits: files.LineLimits = files.DEFAULT_LINE_LIMITS,
+    limits: line_reading.LineLimits = line_reading.DEFAULT_LINE_LIMITS,
     counters: Counter | None = None,
 ) -> Iterator[dict]:
     """`{"title", "text"}` records of a (gzip) JSON Lines file, local or `gs://`; lines are
     read within `limits`, counted in `counters` like `iter_raw_text_documents`'."""
-    on_skip = None if counters is None else lambda r, _: counters.update([files.SKIP_COUNTERS[r]])
+    on_skip = (
+        None if counters is None else lambda r, _: counters.update([line_reading.SKIP_COUNTERS[r]])
+    )
     with files.open_binary(path) as raw:
-        for _, line in files.read_lines(raw, path, limits, on_skip):
+        for _, line in line_reading.read_lines(raw, path, limits, on_skip):
             if line.strip():
                 yield json.loads(line.decode("utf-8", errors="replace"))
 

@@ -69,7 +69,7 @@ from albert_jax.data.builders.prepared import (
 )
 from albert_jax.data.builders.text_files import resolve_files
 from albert_jax.data.builders.wikipedia_dump import WikipediaDump, WikipediaDumpConfig
-from albert_jax.files import DEFAULT_LINE_LIMITS, LineLimits
+from albert_jax.line_reading import DEFAULT_LINE_LIMITS, LineLimits
 from albert_jax.process_setup import hide_accelerators_from_tensorflow
 
 CATALOG_WIKIPEDIA = "wikipedia/20230601.en"
@@ -280,7 +280,7 @@ def build_source(
         `files` (default: the files it was built from). Under the build lock in a local data
         dir; nothing may read the dataset meanwhile. Our local sources only.
       limits: the bounds of reading the input files when it is built (config.data.
-        max_line_bytes / max_blank_lines; default `files.DEFAULT_LINE_LIMITS`); not part of
+        max_line_bytes / max_blank_lines; default `line_reading.DEFAULT_LINE_LIMITS`); not part of
         the dataset's identity (see `LocalTextConfig`).
 
     Returns:

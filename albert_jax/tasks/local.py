@@ -19,7 +19,7 @@ was skipped. Nothing is dropped silently. A file that cannot be read as a whole 
 file that is truncated or not UTF-8, a JSON Lines file without one UTF-8 line) raises one
 ValueError naming the file, the line and the reason.
 
-Reading is bounded (`files.LineLimits`, config.data.max_line_bytes / max_blank_lines): a line
+Reading is bounded (`line_reading.LineLimits`, config.data.max_line_bytes / max_blank_lines): a line
 longer than the cap is skipped without being held whole (`line_too_long`), a run of blank lines
 past the cap ends the file's read (`blank_run_too_long`, at its line), and a SQuAD JSON file
 larger than the line cap is refused: a small gzip that expands to gigabytes costs seconds and
@@ -40,7 +40,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
-from albert_jax import files
+from albert_jax import files, line_reading
 from albert_jax.files import BadRecordError
 
 # The records and ReadStats live in tasks/records.py (every reader's); imported under these
@@ -65,7 +65,7 @@ SENTIMENT_LABELS: tuple[str, ...] = ("negative", "positive")
 DEFAULT_NUM_CHOICES = 4
 # Bounds of the task files' lines (config.data.max_line_bytes / max_blank_lines): a record, or a
 # whole SQuAD JSON file (the official ones are one line of up to ~40 MB), is far below the cap.
-LINE_LIMITS = files.DEFAULT_LINE_LIMITS
+LINE_LIMITS = line_reading.DEFAULT_LINE_LIMITS
 
 
 def _log_summary(path: PathLike, stats: ReadStats) -> None:
@@ -121,7 +121,7 @@ def file_names(paths: Sequence[PathLike]) -> list[str]:
     return names
 
 
-def read_json(path: PathLike, limits: files.LineLimits | None = None) -> Any:
+def read_json(path: PathLike, limits: line_reading.LineLimits | None = None) -> Any:
     """The content of a whole JSON file (gzip'ed or not, local or gs://), e.g. SQuAD data or
     predictions. The one place that names the file when it cannot be parsed: a truncated file,
     bad JSON or bytes that are not UTF-8 raise one ValueError with the path, the line and column
@@ -131,7 +131,7 @@ def read_json(path: PathLike, limits: files.LineLimits | None = None) -> Any:
     # Bytes first, decoded here: a decode error then has its offset in the file (a text stream
     # reports it within a buffer), so the message can give the line.
     with files.open_binary(path) as f:
-        data = files.read_at_most(f, max_bytes)
+        data = line_reading.read_at_most(f, max_bytes)
     if data is None:  # one JSON value: no part of it can be kept
         raise ValueError(
             f"{os.fspath(path)}: more than {max_bytes} bytes once decompressed; raise "
@@ -160,7 +160,7 @@ def read_json(path: PathLike, limits: files.LineLimits | None = None) -> Any:
 
 
 def _jsonl_records(
-    path: PathLike, stats: ReadStats, name: str | None, limits: files.LineLimits
+    path: PathLike, stats: ReadStats, name: str | None, limits: line_reading.LineLimits
 ) -> Iterator[tuple[str, str, dict]]:
     """Yields (id, location, record) for every JSON object line; counts the lines that are not
     (`bad_utf8`, `invalid_json`, `not_an_object`), those longer than `limits.max_line_bytes`
@@ -177,13 +177,15 @@ def _jsonl_records(
     decoded, undecodable, first_undecodable = 0, 0, 0
 
     def skipped(reason: str, line_number: int) -> None:
-        stats.read += reason == files.LINE_TOO_LONG  # a record; the end of a blank run is not
+        stats.read += (
+            reason == line_reading.LINE_TOO_LONG
+        )  # a record; the end of a blank run is not
         stats.skip(reason, f"{base}:{line_number}")
 
     # Lines are decoded one by one (not through a text stream) so that one undecodable byte
     # costs its line only, counted like any other bad record, instead of ending the read.
     with files.open_binary(path) as f:
-        for line_number, raw in files.read_lines(f, path, limits, skipped):
+        for line_number, raw in line_reading.read_lines(f, path, limits, skipped):
             where = f"{base}:{line_number}"
             try:
                 line = raw.decode("utf-8")
@@ -253,7 +255,7 @@ def _read_jsonl(
     parse: Callable[[str, dict], Any],
     stats: ReadStats | None,
     name: str | None = None,
-    limits: files.LineLimits | None = None,
+    limits: line_reading.LineLimits | None = None,
 ) -> list:
     """Applies parse(id, record) to each line of a JSON Lines file; skips and counts bad ones.
     name: what ids and locations call the file (`file_names`; default: its file name);
@@ -278,7 +280,7 @@ def read_sentiment_rt(
     *,
     stats: ReadStats | None = None,
     name: str | None = None,
-    limits: files.LineLimits | None = None,
+    limits: line_reading.LineLimits | None = None,
 ) -> list[ClassificationExample]:
     """sentiment_rt lines {"sentence", "label" 0|1} → ClassificationExample(label=int)."""
 
@@ -297,7 +299,7 @@ def read_sentiment_rt_score(
     *,
     stats: ReadStats | None = None,
     name: str | None = None,
-    limits: files.LineLimits | None = None,
+    limits: line_reading.LineLimits | None = None,
 ) -> list[ClassificationExample]:
     """sentiment_rt lines {"sentence", "score"} → ClassificationExample(label=float score).
 
@@ -317,7 +319,7 @@ def read_nli_vitaminc(
     *,
     stats: ReadStats | None = None,
     name: str | None = None,
-    limits: files.LineLimits | None = None,
+    limits: line_reading.LineLimits | None = None,
 ) -> list[ClassificationExample]:
     """nli_vitaminc lines {"premise", "hypothesis", "label": name} → index in VITAMINC_LABELS."""
 
@@ -337,7 +339,7 @@ def read_mc_cosmosqa(
     *,
     stats: ReadStats | None = None,
     name: str | None = None,
-    limits: files.LineLimits | None = None,
+    limits: line_reading.LineLimits | None = None,
     num_choices: int = DEFAULT_NUM_CHOICES,
 ) -> list[MultipleChoiceExample]:
     """mc_cosmosqa lines {"context", "question", "options", "label"} → MultipleChoiceExample.
@@ -425,7 +427,7 @@ def read_squad(
     *,
     stats: ReadStats | None = None,
     name: str | None = None,
-    limits: files.LineLimits | None = None,
+    limits: line_reading.LineLimits | None = None,
     relocate_answers: bool = True,
 ) -> list[SpanExample]:
     """A SQuAD v1.1 or v2.0 JSON file (gzip'ed or not) → one SpanExample per question.
@@ -534,7 +536,7 @@ def read_task(
     paths: PathLike | Sequence[PathLike],
     *,
     stats: ReadStats | None = None,
-    limits: files.LineLimits | None = None,
+    limits: line_reading.LineLimits | None = None,
 ) -> list:
     """All records of a local task from one or more files, in file order: paths, globs or
     comma-separated lists of them, local or gs:// (`files.expand`: a ValueError names a pattern
@@ -550,7 +552,7 @@ def read_files(
     paths: Sequence[PathLike],
     *,
     stats: ReadStats | None = None,
-    limits: files.LineLimits | None = None,
+    limits: line_reading.LineLimits | None = None,
 ) -> list[tuple[str, list]]:
     """(path, records) of each file, in order, read by `reader` (a TASKS reader or read_squad)
     under its `file_names` name: the JSON Lines ids of files that share a name still differ."""

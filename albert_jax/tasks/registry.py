@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from albert_jax import files as file_io
-from albert_jax import process_setup
+from albert_jax import line_reading, process_setup
 from albert_jax.tasks import glue, local, race, squad
 from albert_jax.tasks.batching import Features
 from albert_jax.tasks.kinds import get_kind
@@ -140,7 +140,7 @@ def _unique_ids(per_file: list[tuple[str, list]], field: str) -> None:
 
 
 def _read_files(
-    name: str, files: str, field: str, stats: local.ReadStats, limits: file_io.LineLimits
+    name: str, files: str, field: str, stats: local.ReadStats, limits: line_reading.LineLimits
 ) -> tuple[list[str], list, list[str]]:
     """(paths, examples [N], each example's path [N]) of the files `files` (config.data.<field>),
     their lines bounded by `limits`; the files of an eval set must have unique ids."""
@@ -174,7 +174,7 @@ def _read(name: str, data: Any, files: str, field: str, split: str, max_examples
     squad_dataset = None
     sources = None
     if files:
-        limits = file_io.LineLimits.from_config(data, "config.data", local.LINE_LIMITS)
+        limits = line_reading.LineLimits.from_config(data, "config.data", local.LINE_LIMITS)
         paths, examples, sources = _read_files(name, files, field, stats, limits)
         if squad_version and len(paths) == 1 and max_examples <= 0:
             squad_dataset = local.read_json(paths[0], limits)  # score against the file itself

@@ -21,7 +21,7 @@ import json
 
 from absl import app, flags
 
-from albert_jax import cli, files
+from albert_jax import cli, line_reading
 from albert_jax.data.sources import prepare_sources
 
 _SOURCES = flags.DEFINE_string(
@@ -39,12 +39,12 @@ _REBUILD = flags.DEFINE_bool(
 
 _MAX_LINE_BYTES = flags.DEFINE_integer(
     "max_line_bytes",
-    files.DEFAULT_MAX_LINE_BYTES,
+    line_reading.DEFAULT_MAX_LINE_BYTES,
     "Longest input line (and whole-file document) read; longer ones are skipped and counted.",
 )
 _MAX_BLANK_LINES = flags.DEFINE_integer(
     "max_blank_lines",
-    files.DEFAULT_MAX_BLANK_LINES,
+    line_reading.DEFAULT_MAX_BLANK_LINES,
     "Longest run of blank lines read; a longer one ends its file's read (counted).",
 )
 
@@ -52,7 +52,7 @@ _MAX_BLANK_LINES = flags.DEFINE_integer(
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    limits = files.LineLimits(_MAX_LINE_BYTES.value, _MAX_BLANK_LINES.value)
+    limits = line_reading.LineLimits(_MAX_LINE_BYTES.value, _MAX_BLANK_LINES.value)
     reports = prepare_sources(
         _SOURCES.value, data_dir=_DATA_DIR.value, rebuild=_REBUILD.value, limits=limits
     )

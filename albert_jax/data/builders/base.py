@@ -42,12 +42,8 @@ from absl import logging
 
 from albert_jax.data.builders.prepared import fingerprint, new_build_id
 from albert_jax.data.builders.text_files import resolve_files
-from albert_jax.files import (
-    DEFAULT_MAX_BLANK_LINES,
-    DEFAULT_MAX_LINE_BYTES,
-    LineLimits,
-    is_local,
-)
+from albert_jax.files import is_local
+from albert_jax.line_reading import DEFAULT_MAX_BLANK_LINES, DEFAULT_MAX_LINE_BYTES, LineLimits
 from albert_jax.process_setup import hide_accelerators_from_tensorflow
 
 if TYPE_CHECKING:
@@ -70,7 +66,7 @@ class LocalTextConfig(tfds.core.BuilderConfig):
       files: file paths, globs or directories (local or gs://); see `resolve_files`.
       validation_fraction: share of documents (by title hash) held out as `validation`;
         0 builds `train` only.
-      max_line_bytes, max_blank_lines: the bounds of reading the files (`files.LineLimits`):
+      max_line_bytes, max_blank_lines: the bounds of reading the files (`line_reading.LineLimits`):
         longer lines and whole-file documents are skipped and counted (`lines_too_long`,
         `documents_too_long`), a longer run of blank lines ends its file's read
         (`blank_runs_too_long`). Not part of the dataset's identity (`_config_record`): they
@@ -94,7 +90,7 @@ class LocalTextConfig(tfds.core.BuilderConfig):
 
     @property
     def line_limits(self) -> LineLimits:
-        """`max_line_bytes` and `max_blank_lines` as the `files.read_lines` bounds."""
+        """`max_line_bytes` and `max_blank_lines` as the `line_reading.read_lines` bounds."""
         return LineLimits(self.max_line_bytes, self.max_blank_lines)
 
 

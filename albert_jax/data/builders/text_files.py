@@ -4,7 +4,7 @@ Paths go through `albert_jax.files` (etils `epath`), so the same patterns work o
 on a TPU VM reading from a bucket. Compressed inputs (gzip, bzip2) are decompressed while
 streaming (`files.open_binary`, by their magic bytes); compressed data that is cut short or
 corrupt raises `files.UnreadableFileError` naming the file and the line it stops at. Lines and
-one-document files are read within `files.LineLimits` (a builder config's `max_line_bytes`,
+one-document files are read within `line_reading.LineLimits` (a builder config's `max_line_bytes`,
 `max_blank_lines`), in bounded memory whatever a file expands to.
 """
 
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from absl import logging
 
-from albert_jax import files
+from albert_jax import files, line_reading
 
 if TYPE_CHECKING:  # base imports this module: no cycle at run time
     from albert_jax.data.builders.base import Tally
@@ -88,26 +88,28 @@ def decode_utf8(data: bytes) -> tuple[str, bool]:
     return text.removeprefix("\ufeff"), invalid
 
 
-def read_lines(path: str, limits: files.LineLimits, tally: Tally) -> Iterator[tuple[int, bytes]]:
+def read_lines(
+    path: str, limits: line_reading.LineLimits, tally: Tally
+) -> Iterator[tuple[int, bytes]]:
     """Streams (line number from 1, raw line without its b"\\n"; a CRLF line keeps its b"\\r",
     which the callers strip with the other whitespace) of a (possibly compressed) file, bounded
-    by `limits` (`files.read_lines`): a skipped long line counts as the input counter
+    by `limits` (`line_reading.read_lines`): a skipped long line counts as the input counter
     `lines_too_long`, a run of blank lines that ends the read as `blank_runs_too_long`."""
 
     def on_skip(reason: str, _: int) -> None:
-        tally.input(files.SKIP_COUNTERS[reason])
+        tally.input(line_reading.SKIP_COUNTERS[reason])
 
     with files.open_binary(path) as f:
-        yield from files.read_lines(f, path, limits, on_skip)
+        yield from line_reading.read_lines(f, path, limits, on_skip)
 
 
-def read_document(path: str, limits: files.LineLimits, tally: Tally) -> bytes | None:
+def read_document(path: str, limits: line_reading.LineLimits, tally: Tally) -> bytes | None:
     """The whole content of a one-document file, or None (counted as the document counter
     `documents_too_long`, logged) when it is larger than `limits.max_line_bytes`: a document is
     one record, bounded like a JSON line, and a larger one is never read whole."""
     cap = limits.max_line_bytes
     with files.open_binary(path) as f:
-        data = files.read_at_most(f, cap)
+        data = line_reading.read_at_most(f, cap)
     if data is None:
         logging.warning("%s: more than max_line_bytes=%d bytes; skipped", path, cap)
         tally.document("documents_too_long")
