@@ -25,7 +25,7 @@ from conftest import build_once, run_main, session_dir
 from albert_jax import finetune
 from albert_jax.pretrained import load_pretrained
 from albert_jax.sharding import create_mesh
-from albert_jax.tasks import local, squad_eval
+from albert_jax.tasks import local, registry, squad_eval
 from configs.finetune import TASKS as CONFIG_TASKS
 from configs.finetune import get_config
 
@@ -361,7 +361,8 @@ def test_squad_shifts_end_to_end(tmp_path_factory, shared_data):
     assert 0.0 <= results["exact_match"] <= results["f1"] <= 100.0
     with open(os.path.join(workdir, "predictions.json")) as f:
         predictions = json.load(f)
-    examples = local.read_squad(task_files(shared_data, "squad_shifts")[1])[:120]
+    examples = local.read_squad(task_files(shared_data, "squad_shifts")[1])
+    examples = [examples[i] for i in registry.subset(len(examples), 120)]  # max_eval_examples
     assert set(predictions) == {e.id for e in examples}
     # Every prediction is an exact substring of its context (offsets map back to the original).
     contexts = {e.id: e.context for e in examples}
