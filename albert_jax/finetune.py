@@ -48,7 +48,7 @@ import optax
 from absl import logging
 from jax.sharding import Mesh
 
-from albert_jax import checkpointing, files, heads, seeds, workdir_lease
+from albert_jax import checkpointing, compile_cache, files, heads, seeds, workdir_lease
 from albert_jax.backbone_init import InitReport, load_checkpoint_weights, merge_pretrained
 from albert_jax.config import ModelConfig
 from albert_jax.finetune_config import (
@@ -471,6 +471,7 @@ def finetune_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
 
 def _finetune(config: Any, workdir: str, spec: Any, lease: Any) -> dict[str, Any]:
     """`finetune_and_evaluate` once the config is valid and the workdir leased."""
+    compile_cache.use_for_run(config.get("compilation_cache_dir", ""), workdir)
     # config.mesh.auto sizes the layout by the `size` preset with config.model's fields (the
     # checkpoint is read later, by the objective); an explicit mesh is checked there too.
     preset = None

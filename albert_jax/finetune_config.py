@@ -27,7 +27,8 @@ KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
         "eval_batch_size", "num_train_steps", "num_train_epochs", "warmup_steps",
         "warmup_fraction", "lr_poly_power", "weight_decay", "grad_clip_norm", "b1", "b2", "eps",
         "mesh", "seed", "num_seeds", "restart_failed_seeds", "log_every_steps",
-        "eval_every_steps", "checkpoint_every_steps", "keep_checkpoints", "resume_strict", "debug",
+        "eval_every_steps", "checkpoint_every_steps", "keep_checkpoints", "resume_strict",
+        "compilation_cache_dir", "debug",
     ),
     "data": (
         "train_files", "eval_files", "data_dir", "train_split", "eval_split", "race_levels",

@@ -39,7 +39,15 @@ import optax
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from albert_jax import checkpointing, flops, metrics_writer, preemption, resume, trees
+from albert_jax import (
+    checkpointing,
+    compile_cache,
+    flops,
+    metrics_writer,
+    preemption,
+    resume,
+    trees,
+)
 from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, put_batch
 from albert_jax.train_config import config_field, write_run_config
 from albert_jax.train_state import TrainState, create_state, jit_step
@@ -181,6 +189,9 @@ class Loop:
             in_shardings=(shardings.params, self.batch_sharding),
             out_shardings=self.replicated if objective.eval_reduces else self.batch_sharding,
         )
+        self._clock = compile_cache.CompileClock.get()
+        self._compiled_before = (self._clock.seconds, self._clock.programs, self._clock.hits)
+        self.compile_s: float | None = None  # compile time up to the first step (logged)
         self.state, self.start_step = self._restore_or_initialize()
         # Only a run whose config passed every check (the objective's, the resume's) records
         # it: a refused restart keeps the config.json of the run it would have continued.
@@ -405,6 +416,11 @@ class Loop:
         if self._interval is None:  # the first step includes compilation: start timing after it
             self._interval = (pending.step, time.perf_counter())
             self._excluded = 0.0
+            seconds, programs, hits = self._compiled_before
+            clock = self._clock
+            self.compile_s = clock.seconds - seconds
+            logging.info("compilation: %d programs in %.2f s (%d read from the persistent cache)",
+                         clock.programs - programs, self.compile_s, clock.hits - hits)  # fmt: skip
         return values
 
     def _log(self, pending: _Pending, values: dict[str, float]) -> None:

@@ -27,7 +27,14 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh
 
-from albert_jax import checkpointing, files, flops, metrics_writer, workdir_lease
+from albert_jax import (
+    checkpointing,
+    compile_cache,
+    files,
+    flops,
+    metrics_writer,
+    workdir_lease,
+)
 from albert_jax.config import ModelConfig, model_config_from
 from albert_jax.loop import Loop, TrainingDivergedError
 from albert_jax.model import AlbertForPreTraining
@@ -92,6 +99,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
 
 def _train(config: Any, workdir: str, layout: Any, lease: Any) -> dict[str, Any]:
     """`train_and_evaluate` once the config is valid and the workdir leased."""
+    compile_cache.use_for_run(config_field(config, "compilation_cache_dir", ""), workdir)
     model_config = layout.model_config
     build_sources(config)
     tokenizer = prepare_tokenizer(config, workdir, (config.resume_from, config.init_from))

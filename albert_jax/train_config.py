@@ -28,7 +28,7 @@ KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
         "warmup_steps", "num_train_steps", "lr_poly_power", "weight_decay", "grad_clip_norm",
         "b1", "b2", "eps", "mesh", "seed", "log_every_steps", "eval_every_steps",
         "eval_batches", "checkpoint_every_steps", "keep_checkpoints", "resume_from",
-        "init_from", "resume_strict", "debug",
+        "init_from", "resume_strict", "compilation_cache_dir", "debug",
     ),
     "data": (
         "sources", "data_dir", "cache_dir", "tokenizer", "short_seq_prob", "masked_lm_prob",

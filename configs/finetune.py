@@ -150,6 +150,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.checkpoint_every_steps = 0  # save every N steps too (0: only at the end)
     c.keep_checkpoints = 1  # checkpoints kept
     c.resume_strict = False  # an unreadable latest checkpoint stops the run (else: the one before)
+    # JAX's persistent compilation cache (albert_jax.compile_cache): "" = WORKDIR/compilation_cache
+    # (or $JAX_COMPILATION_CACHE_DIR), a path (local or gs://), or "none". A restart reads its
+    # compiled programs from there instead of compiling again.
+    c.compilation_cache_dir = ""
 
     # --- debugging hooks (0 = off); the tests use them to exercise preemption and resume
     c.debug = ml_collections.ConfigDict()

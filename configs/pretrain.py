@@ -145,6 +145,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.checkpoint_every_steps = 500 if tiny else 5000  # async Orbax saves
     c.keep_checkpoints = 3  # keep the last k
     c.resume_strict = False  # an unreadable latest checkpoint stops the run (else: the one before)
+    # JAX's persistent compilation cache (albert_jax.compile_cache): "" = WORKDIR/compilation_cache
+    # (or $JAX_COMPILATION_CACHE_DIR), a path (local or gs://), or "none". A restart reads its
+    # compiled programs from there instead of compiling again.
+    c.compilation_cache_dir = ""
     c.resume_from = ml_collections.FieldReference(None, field_type=str)  # another workdir
     c.init_from = ml_collections.FieldReference(None, field_type=str)  # params only
 
