@@ -158,6 +158,24 @@ def test_multi_slice_reduces_gradients_across_slices():
     assert set(cross) == {"all-reduce"} and cross["all-reduce"]["bytes"] > 0
 
 
+@pytest.mark.parametrize("tpu", ["v4-8", "v5p-8", "v6e-8"])
+def test_only_the_gradient_reduction_crosses_slices(tpu):
+    """Two slices of each generation (v5e: the test above): what crosses the data-center
+    network is all-reductions (of the gradients and the metrics), no gathered activations;
+    their bytes do not grow with the batch (v4: 64 and 256 rows), and they cover at least a
+    slice device's share of the gradients (each device reduces its reduce-scattered shard)."""
+    batches = (64, 256) if tpu == "v4-8" else (64,)
+    reports = [plan.plan(small(batch_size=b), plan.make_target(tpu, num_slices=2))
+               for b in batches]  # fmt: skip
+    for report in reports:
+        assert report["fits"] and report["num_slices"] == 2
+        assert set(report["collectives"]["cross_slice"]) == {"all-reduce"}
+    sent = [r["collectives"]["cross_slice"]["all-reduce"]["bytes"] for r in reports]
+    assert len(set(sent)) == 1  # independent of the batch: no activation crosses
+    per_slice = reports[0]["devices"] // 2
+    assert sent[0] * per_slice >= reports[0]["params_gib"] * 2**30  # f32 gradients = params
+
+
 # ------------------------------------------------------------------------------------ meshes
 
 
