@@ -65,12 +65,23 @@ def create_mesh(
     shape: Sequence[int] = (-1, 1, 1), devices: Sequence[jax.Device] | None = None
 ) -> Mesh:
     """A (data, fsdp, tensor) mesh with `AxisType.Auto` axes (Linen logical constraints need
-    Auto: on Explicit axes a constraint acts as an assertion and raises)."""
+    Auto: on Explicit axes a constraint acts as an assertion and raises). Devices of several
+    TPU slices (a multi-slice job: their `slice_index` differs) get `slice_mesh`'s layout,
+    data parallel across the slices."""
     devices = list(devices) if devices is not None else jax.devices()
     shape = resolve_mesh_shape(shape, len(devices))
+    slices = slice_count(devices)
+    if slices > 1:
+        return slice_mesh(shape, devices, slices)
     return jax.make_mesh(
         shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
     )
+
+
+def slice_count(devices: Sequence[Any]) -> int:
+    """How many TPU slices `devices` span (their `slice_index`; 1 where devices have none:
+    CPU, GPU, a single slice)."""
+    return len({getattr(d, "slice_index", 0) for d in devices})
 
 
 def slice_mesh(shape: Sequence[int], devices: Sequence[Any], num_slices: int = 1) -> Mesh:

@@ -158,6 +158,21 @@ def test_multi_slice_reduces_gradients_across_slices():
     assert set(cross) == {"all-reduce"} and cross["all-reduce"]["bytes"] > 0
 
 
+def test_a_run_on_devices_of_two_slices_gets_the_multi_slice_mesh():
+    """`create_mesh` (what a run builds) lays devices of several slices (their slice_index)
+    as `slice_mesh` does: each slice a contiguous block of the data axis, fsdp and tensor
+    inside a slice. The CPU's devices (no slice_index) keep the one-slice layout."""
+    devices = tpu_slices.target_devices(tpu_slices.slice_spec("v4-8"), 2)
+    mesh = sharding.create_mesh((8, 1, 1), devices=devices)
+    assert sharding.slice_count(devices) == 2 and sharding.slice_count(jax.devices()) == 1
+    expected = sharding.slice_mesh((8, 1, 1), devices, 2)
+    assert mesh.devices.tolist() == expected.devices.tolist()
+    slices = [d.slice_index for d in mesh.devices[:, 0, 0]]
+    assert slices == [0] * 4 + [1] * 4
+    with pytest.raises(ValueError, match="must be a multiple of the 2 slices"):
+        sharding.create_mesh((1, 8, 1), devices=devices)
+
+
 @pytest.mark.parametrize("tpu", ["v4-8", "v5p-8", "v6e-8"])
 def test_only_the_gradient_reduction_crosses_slices(tpu):
     """Two slices of each generation (v5e: the test above): what crosses the data-center
