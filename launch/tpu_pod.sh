@@ -33,7 +33,10 @@ usage() {
 Usage: ${SCRIPT_NAME} SUBCOMMAND --name=NAME --zone=ZONE [flags] [--config.KEY=VALUE ...]
 
 Subcommands:
-  create   create the TPU VM (--type required; --spot; --queued for a queued resource)
+  plan     the TPU compiler's verdict on --config for --type (and --num_slices), on this
+           machine (python -m albert_jax.plan; needs the [tpu] extra); no --name/--zone needed
+  create   create the TPU VM (--type required; --spot; --queued for a queued resource); with
+           --config it plans first and refuses a slice the config does not fit (--force)
   setup    copy this repository to every worker and pip-install it with [tpu] into a venv
   run      kill stale TPU processes, then start training on every worker
            (--config, --workdir=gs://..., --data_dir=gs://... required; in the background with
@@ -53,6 +56,8 @@ Common flags:
   --queued             use a queued resource (create/delete/--restart)
   --qr=ID              queued resource id (default: NAME-qr)
   --dry-run            print every gcloud command, one per line, instead of running anything
+  --num_slices=N       slices the plan compiles for (data parallel across them; default 1)
+  --force              create a slice even when the plan says the config does not fit
   -h, --help           show this help
 
 run flags:
@@ -106,6 +111,8 @@ TYPE=""
 RUNTIME=""
 QR=""
 CONFIG=""
+NUM_SLICES=1
+FORCE=0
 WORKDIR=""
 DATA_DIR=""
 SPOT=0
@@ -139,6 +146,7 @@ set_value_flag() {
     poll_s) POLL_S=$2 ;;
     ready_timeout_s) READY_TIMEOUT_S=$2 ;;
     worker) WORKER=$2 ;;
+    num_slices) NUM_SLICES=$2 ;;
     lines) LINES=$2 ;;
     *) usage_error "unknown flag: --$1" ;;
   esac
@@ -153,6 +161,7 @@ set_bool_flag() {
     foreground) FOREGROUND=1 ;;
     restart) RESTART=1 ;;
     follow) FOLLOW=1 ;;
+    force) FORCE=1 ;;
     *) return 1 ;;
   esac
 }
@@ -219,10 +228,17 @@ default_runtime() { # accelerator-type -> TPU software version for JAX (cloud.go
 
 validate_args() {
   case $SUBCOMMAND in
-    create | setup | run | logs | kill | delete) ;;
+    plan | create | setup | run | logs | kill | delete) ;;
     "") usage_error "missing subcommand" ;;
     *) usage_error "unknown subcommand: ${SUBCOMMAND}" ;;
   esac
+  require_int num_slices "$NUM_SLICES"
+  ((NUM_SLICES >= 1)) || usage_error "--num_slices must be at least 1"
+  if [[ $SUBCOMMAND == plan ]]; then # a local compile: no TPU VM involved
+    require_flag config "$CONFIG"
+    require_flag type "$TYPE"
+    return 0
+  fi
   require_flag name "$NAME"
   require_flag zone "$ZONE"
   # TPU names become remote host aliases and file names: enforce the Cloud naming rule early.
@@ -246,8 +262,8 @@ validate_args() {
       "every TPU host reads and writes the same checkpoints, so the workdir must be in Cloud Storage"
     require_gcs_path data_dir "$DATA_DIR" \
       "every TPU host reads the same TFDS datasets, so TFDS_DATA_DIR must be in Cloud Storage"
-  elif ((${#EXTRA_ARGS[@]} > 0)); then
-    usage_error "config overrides (${EXTRA_ARGS[0]} ...) only apply to 'run'"
+  elif ((${#EXTRA_ARGS[@]} > 0)) && [[ $SUBCOMMAND != create || -z $CONFIG ]]; then
+    usage_error "config overrides (${EXTRA_ARGS[0]} ...) only apply to 'run', 'plan' and 'create --config'"
   fi
   require_int max_restarts "$MAX_RESTARTS"
   require_int restart_wait_s "$RESTART_WAIT_S"
@@ -306,6 +322,62 @@ gcloud_cmd() {
   fi
   log "+ $(quote_command "${cmd[@]}")"
   "${cmd[@]}"
+}
+
+# The plan (python -m albert_jax.plan) of --config for --type x --num_slices, run from the
+# repository root; with --dry-run printed like the gcloud commands. Extra words go to the plan.
+plan_command() {
+  local -a cmd=("${PYTHON:-python3}" -m albert_jax.plan "--config=${CONFIG}" "--tpu=${TYPE}"
+    "--num_slices=${NUM_SLICES}" "$@" ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"})
+  if ((DRY_RUN)); then
+    quote_command "${cmd[@]}" >&3
+    return 0
+  fi
+  log "+ $(quote_command "${cmd[@]}")"
+  (cd "$REPO_ROOT" && "${cmd[@]}")
+}
+
+# Before `create`: the slice must hold the config (the plan's verdict, its figures named in the
+# refusal); --force creates it anyway. Without --config there is nothing to plan.
+plan_before_create() {
+  if [[ -z $CONFIG ]]; then
+    log "no --config: creating ${TYPE} without a plan (pass --config to check that it fits)"
+    return 0
+  fi
+  if ((DRY_RUN)); then
+    plan_command --json
+    return 0
+  fi
+  local report status=0
+  report=$(plan_command --json) || status=$?
+  if ((status == 0)); then
+    log "plan: $(plan_figures <<<"$report")"
+    return 0
+  fi
+  local why fix
+  if ((status == 1)); then
+    why="${CONFIG} does not fit ${TYPE} x${NUM_SLICES}: $(plan_figures <<<"$report")"
+    fix="pick a larger --type or more --num_slices, a smaller batch or config.model.remat_policy"
+  else
+    why="the plan of ${CONFIG} for ${TYPE} x${NUM_SLICES} failed (exit ${status}, its error above)"
+    fix="fix the config"
+  fi
+  if ((FORCE)); then
+    log "${why}; creating it anyway (--force)"
+    return 0
+  fi
+  die "${why}; ${fix}, or pass --force to create it anyway"
+}
+
+plan_figures() { # the plan's JSON on stdin -> its memory figures in one line
+  "${PYTHON:-python3}" -c '
+import json, sys
+r = json.load(sys.stdin)
+total, usable, mesh, error = (r.get(k) for k in ("total_gib", "usable_hbm_gib", "mesh", "error"))
+if r.get("compiler_accepted"):
+    print(f"{total} GiB a device of {usable} usable, mesh {mesh}")
+else:  # the compiler refused it: its own figures
+    print(f"the TPU compiler refused it ({error}), mesh {mesh}")'
 }
 
 ssh_workers() { # worker command
@@ -557,7 +629,11 @@ main() {
   validate_args
   exec 3>&1 # dry-run output goes here, also from inside command substitutions
   case $SUBCOMMAND in
-    create) create_tpu ;;
+    plan) plan_command ;;
+    create)
+      plan_before_create
+      create_tpu
+      ;;
     setup) setup_workers ;;
     run)
       if ((RESTART)); then

@@ -571,3 +571,57 @@ def test_shellcheck_passes():
     scripts = [str(SCRIPT), str(REPO / "benchmarks" / "accelerator.sh")]
     result = subprocess.run([shellcheck, *scripts], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# The plan before a slice is created (#59)
+
+# Tiny at 16k sequences of 512 tokens without remat: the TPU compiler refuses it on v2-8 at once.
+TOO_BIG = [
+    "--type=v2-8", "--config=configs/pretrain.py:size=tiny", "--config.batch_size=16384",
+    "--config.seq_len=512", "--config.model.max_position_embeddings=512",
+    "--config.model.remat_policy=none",
+]  # fmt: skip
+
+
+def test_dry_run_plan_and_create_show_the_plan_first():
+    result = launch("plan", "--dry-run", f"--config={CONFIG}", "--type=v3-64", "--num_slices=2",
+                    "--config.model.dtype=bfloat16")  # fmt: skip
+    assert result.returncode == 0, result.stderr  # no --name / --zone: nothing is created
+    assert shlex.split(result.stdout) == [
+        "python3", "-m", "albert_jax.plan", f"--config={CONFIG}", "--tpu=v3-64",
+        "--num_slices=2", "--config.model.dtype=bfloat16",
+    ]  # fmt: skip
+    result = launch("create", "--dry-run", *COMMON, "--type=v4-32", f"--config={CONFIG}")
+    assert result.returncode == 0, result.stderr
+    plan_line, create_line = result.stdout.splitlines()
+    assert shlex.split(plan_line)[2:] == [
+        "albert_jax.plan",
+        f"--config={CONFIG}",
+        "--tpu=v4-32",
+        "--num_slices=1",
+        "--json",
+    ]
+    assert create_line.startswith(f"gcloud compute tpus tpu-vm create {NAME} ")
+
+
+def test_create_refuses_a_slice_the_config_does_not_fit(tmp_path):
+    pytest.importorskip("libtpu", reason="the plan needs the TPU compiler ([tpu] extra)")
+    calls = tmp_path / "gcloud_calls"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_in = bin_dir / "gcloud"
+    stand_in.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    stand_in.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": sys.executable,
+           "JAX_PLATFORMS": "cpu"}  # fmt: skip
+    refused = launch("create", *COMMON, *TOO_BIG, env=env)
+    assert refused.returncode == 1, refused.stderr
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith("tpu_pod.sh: error: configs/pretrain.py:size=tiny does not fit v2-8 x1: "
+                           "the TPU compiler refused it (RESOURCE_EXHAUSTED"), last  # fmt: skip
+    assert "pass --force to create it anyway" in last
+    assert not calls.exists()  # nothing was created
+    forced = launch("create", *COMMON, *TOO_BIG, "--force", env=env)
+    assert forced.returncode == 0, forced.stderr
+    assert calls.read_text().startswith(f"compute tpus tpu-vm create {NAME} ")
