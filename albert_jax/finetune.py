@@ -477,7 +477,7 @@ def _finetune(config: Any, workdir: str, spec: Any, lease: Any) -> dict[str, Any
     preset = None
     if config.mesh.get("auto", False):
         preset = model_config(config, None, ModelConfig.preset(config.size).vocab_size)
-    mesh = create_mesh(*mesh_layout(config, preset))
+    mesh = create_mesh(*mesh_layout(config, preset), slices=int(config.mesh.get("slices", 0)))
     objective = FineTuning(config, workdir, spec, mesh)
     loop = Loop(objective, config, workdir, mesh, lease=lease)
     try:

@@ -35,7 +35,7 @@ KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
         "tokenizer", "allow_other_tokenizer", "max_train_examples", "max_eval_examples",
         "max_line_bytes", "max_blank_lines",
     ),
-    "mesh": ("data", "fsdp", "tensor", "auto"),
+    "mesh": ("data", "fsdp", "tensor", "auto", "slices"),
     "debug": ("sigterm_after_step",),
 }  # fmt: skip
 

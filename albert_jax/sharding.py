@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from absl import logging
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -62,20 +63,60 @@ def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...
 
 
 def create_mesh(
-    shape: Sequence[int] = (-1, 1, 1), devices: Sequence[jax.Device] | None = None
+    shape: Sequence[int] = (-1, 1, 1),
+    devices: Sequence[jax.Device] | None = None,
+    slices: int = 0,
 ) -> Mesh:
     """A (data, fsdp, tensor) mesh with `AxisType.Auto` axes (Linen logical constraints need
-    Auto: on Explicit axes a constraint acts as an assertion and raises). Devices of several
-    TPU slices (a multi-slice job: their `slice_index` differs) get `slice_mesh`'s layout,
-    data parallel across the slices."""
+    Auto: on Explicit axes a constraint acts as an assertion and raises).
+
+    `slices` (`config.mesh.slices`; 0: as many as the devices' `slice_index` says) > 1 lays
+    the data axis across groups joined by the slower network, fsdp and tensor inside each
+    group: TPU slices of a multi-slice job (`slice_mesh`), or, where devices have no slice
+    (CPU and GPU hosts), the processes, one group each (`process_is_granule`).
+
+    Raises:
+      ValueError: `slices` that the devices' slices or processes or the data axis do not
+        match, naming config.mesh.slices.
+    """
     devices = list(devices) if devices is not None else jax.devices()
     shape = resolve_mesh_shape(shape, len(devices))
-    slices = slice_count(devices)
-    if slices > 1:
+    if int(slices) < 0:
+        raise ValueError(f"config.mesh.slices={slices} must be >= 0 (0: as the devices say)")
+    found = slice_count(devices)
+    slices = int(slices) or found
+    if found > 1 and slices != found:
+        raise ValueError(
+            f"config.mesh.slices={slices} but the devices span {found} TPU slices; set it to "
+            f"{found} or 0 (as the devices say)"
+        )
+    if slices > 1 and found > 1:
         return slice_mesh(shape, devices, slices)
+    if slices > 1:  # no TPU slices: the processes are the groups
+        return _process_group_mesh(shape, devices, slices)
     return jax.make_mesh(
         shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
     )
+
+
+def _process_group_mesh(shape: tuple[int, ...], devices: Sequence[Any], slices: int) -> Mesh:
+    """`create_mesh`'s layout for `slices` groups of hosts without TPU slices: one process a
+    group (mesh_utils' `process_is_granule`), the data axis spanning them outermost."""
+    from jax.experimental import mesh_utils
+
+    processes = len({d.process_index for d in devices})
+    if processes != slices or shape[0] % slices:
+        raise ValueError(
+            f"config.mesh.slices={slices}: without TPU slices each group is a process, and "
+            f"this job has {processes}; and the data axis ({shape[0]}) must be a multiple of "
+            "the groups"
+        )
+    ici = (shape[0] // slices, *shape[1:])
+    grid = mesh_utils.create_hybrid_device_mesh(
+        ici, (slices, 1, 1), devices, process_is_granule=True, allow_split_physical_axes=True
+    )
+    logging.info("mesh %s: the data axis spans %d process groups of %s", shape, slices, ici)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def slice_count(devices: Sequence[Any]) -> int:

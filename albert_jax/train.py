@@ -109,7 +109,8 @@ def _train(config: Any, workdir: str, layout: Any, lease: Any) -> dict[str, Any]
             f"{workdir}/{checkpointing.TOKENIZER_FILE} has {tokenizer.vocab_size} pieces: set "
             f"--config.model.vocab_size={tokenizer.vocab_size} or use another tokenizer"
         )
-    mesh = create_mesh(layout.mesh_shape, devices=layout.devices)
+    slices = int(config_field(config, "mesh.slices", 0))
+    mesh = create_mesh(layout.mesh_shape, devices=layout.devices, slices=slices)
     objective = Pretraining(config, workdir, model_config, mesh, tokenizer)
     peak = _peak_flops(model_config, mesh)
     loop = Loop(objective, config, workdir, mesh, peak=peak, lease=lease)

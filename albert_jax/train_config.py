@@ -35,7 +35,7 @@ KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
         "max_ngram", "num_workers", "eval_split", "tokenizer_max_sentences",
         "sop_single_segment", "num_shards", "max_line_bytes", "max_blank_lines",
     ),
-    "mesh": ("data", "fsdp", "tensor", "auto"),
+    "mesh": ("data", "fsdp", "tensor", "auto", "slices"),
     "debug": (
         "sigterm_after_step",
         "sigkill_after_save_at_step",

@@ -140,6 +140,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # True: data / fsdp / tensor chosen for the devices and the model (the least model
     # parallelism that divides every sharded dimension and leaves HBM for activations; logged)
     c.mesh.auto = False
+    # Groups joined by the slower network, data parallel across them (fsdp / tensor inside
+    # one): 0 = the TPU slices of a multi-slice job (1 elsewhere); N = N slices, or on CPU /
+    # GPU hosts N processes, one group each.
+    c.mesh.slices = 0
 
     # --- loop
     c.seed = 0  # head init, dropout and data order

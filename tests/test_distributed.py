@@ -241,6 +241,11 @@ def runs(corpus, tmp_path_factory, gcs):
         jobs.append(pretrain_job(root / "single", single_overrides, root, processes=1, devices=8,
                                  jax_cache=jax_cache))  # fmt: skip
         out["single"] = jobs[-1].wait()
+        # Multi-slice data parallelism on CPU hosts (#59): each process a group, the data
+        # axis across the two (config.mesh.slices), fsdp / tensor none: the same batches.
+        sliced = {**base, "mesh.data": 8, "mesh.fsdp": 1, "mesh.tensor": 1, "mesh.slices": 2}
+        jobs.append(pretrain_job(root / "sliced", sliced, root, processes=2, devices=4))
+        out["sliced"] = jobs[-1].wait()
         # The 2-process checkpoint of step 3 alone (the job's latest is the final step 5).
         source = gcs.url("test_distributed/dist_step3")
         saved = epath.Path(checkpointing.checkpoint_dir(dist_workdir)) / str(RESUME_STEP)
@@ -283,6 +288,21 @@ def test_two_processes_equal_one_process_step_by_step(runs):
     for key in EVAL_KEYS:
         np.testing.assert_allclose(last_dist[key], last_single[key], rtol=1e-5, err_msg=key)
     assert np.isfinite(last_dist["eval_loss"])
+
+
+@pytest.mark.timeout(900)
+def test_data_parallel_across_process_groups_trains_on_the_same_batches(runs):
+    """config.mesh.slices=2 without TPU slices: the data axis spans the two processes as it
+    spans slices on a pod (the fallback of mesh_utils' process granules); step by step the
+    losses are those of the one-process run on the same global batches."""
+    sliced, single = runs["sliced"], runs["single"]
+    sliced.check()
+    assert "the data axis spans 2 process groups of (4, 1, 1)" in sliced.logs[0]
+    losses, expected = losses_by_step(sliced.workdir), losses_by_step(single.workdir)
+    assert sorted(losses) == sorted(expected) == list(range(1, STEPS + 1))
+    np.testing.assert_allclose(
+        [losses[s] for s in sorted(losses)], [expected[s] for s in sorted(losses)], rtol=1e-5
+    )
 
 
 @pytest.mark.timeout(900)

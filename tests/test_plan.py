@@ -171,6 +171,8 @@ def test_a_run_on_devices_of_two_slices_gets_the_multi_slice_mesh():
     assert slices == [0] * 4 + [1] * 4
     with pytest.raises(ValueError, match="must be a multiple of the 2 slices"):
         sharding.create_mesh((1, 8, 1), devices=devices)
+    with pytest.raises(ValueError, match=r"config.mesh.slices=4 but the devices span 2 TPU"):
+        sharding.create_mesh((8, 1, 1), devices=devices, slices=4)
 
 
 @pytest.mark.parametrize("tpu", ["v4-8", "v5p-8", "v6e-8"])

@@ -80,3 +80,15 @@ def test_mesh_shape_resolution_and_errors():
     mesh = create_mesh((1, 4, 2))
     assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 2}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+
+
+def test_mesh_slices_are_checked_against_the_devices_and_processes():
+    """config.mesh.slices > 1 on devices without TPU slices makes each process a group: one
+    process cannot be two; a negative count is refused; 0 and 1 are the plain mesh."""
+    with pytest.raises(ValueError, match=r"config.mesh.slices=2: .* this job has 1"):
+        create_mesh((8, 1, 1), slices=2)
+    with pytest.raises(ValueError, match=r"config.mesh.slices=-1 must be >= 0"):
+        create_mesh((8, 1, 1), slices=-1)
+    assert (
+        create_mesh((8, 1, 1), slices=1).devices.tolist() == create_mesh((8, 1, 1)).devices.tolist()
+    )
