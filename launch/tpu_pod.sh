@@ -56,7 +56,10 @@ Common flags:
   --queued             use a queued resource (create/delete/--restart)
   --qr=ID              queued resource id (default: NAME-qr)
   --dry-run            print every gcloud command, one per line, instead of running anything
-  --num_slices=N       slices the plan compiles for (data parallel across them; default 1)
+  --num_slices=N       slices joined by the data-center network (Multislice, v4 and later;
+                       default 1): the plan compiles for them, and with --queued create makes
+                       one queued resource of N nodes NAME-0..NAME-(N-1), which setup, run,
+                       logs and kill then reach all of (--node=all)
   --force              create a slice even when the plan says the config does not fit
   -h, --help           show this help
 
@@ -250,6 +253,11 @@ validate_args() {
   if [[ $SUBCOMMAND == create ]] || ((RESTART)); then
     require_flag type "$TYPE"
   fi
+  if ((NUM_SLICES > 1)); then
+    # Multislice nodes exist only as a queued resource's (Cloud TPU docs).
+    ((QUEUED)) || usage_error "--num_slices=${NUM_SLICES} needs --queued (a multi-slice TPU is a queued resource of that many nodes)"
+    ((!RESTART)) || usage_error "--restart re-creates one slice; it does not handle --num_slices"
+  fi
   if [[ -n $TYPE ]]; then
     local type_re='^v[0-9][a-z0-9]*-[0-9]+$'
     [[ $TYPE =~ $type_re ]] || die "--type must look like v4-32 or v5litepod-16 (got '${TYPE}')"
@@ -380,8 +388,13 @@ else:  # the compiler refused it: its own figures
     print(f"the TPU compiler refused it ({error}), mesh {mesh}")'
 }
 
-ssh_workers() { # worker command
-  gcloud_cmd compute tpus tpu-vm ssh "$NAME" --zone="$ZONE" --worker="$1" --command="$2"
+ssh_workers() { # worker command (every slice's with --num_slices > 1)
+  if ((NUM_SLICES > 1)); then
+    gcloud_cmd compute tpus queued-resources ssh "$QR" --zone="$ZONE" --node=all \
+      --worker="$1" --command="$2"
+  else
+    gcloud_cmd compute tpus tpu-vm ssh "$NAME" --zone="$ZONE" --worker="$1" --command="$2"
+  fi
 }
 
 sleep_s() {
@@ -399,7 +412,11 @@ create_tpu() {
     spot=(--spot)
   fi
   if ((QUEUED)); then
-    gcloud_cmd compute tpus queued-resources create "$QR" --node-id="$NAME" --zone="$ZONE" \
+    local -a nodes=(--node-id="$NAME")
+    if ((NUM_SLICES > 1)); then # nodes NAME-0 .. NAME-(N-1), one slice each
+      nodes=(--node-count="$NUM_SLICES" --node-prefix="$NAME")
+    fi
+    gcloud_cmd compute tpus queued-resources create "$QR" "${nodes[@]}" --zone="$ZONE" \
       --accelerator-type="$TYPE" --runtime-version="$RUNTIME" ${spot[@]+"${spot[@]}"} || return
     # A queued resource is only a request: wait until its node exists and is READY.
     wait_until_ready
@@ -451,7 +468,9 @@ tpu_state() {
   if ((QUEUED)); then
     state=$(describe_state state.state compute tpus queued-resources describe "$QR" --zone="$ZONE") ||
       return
-    if [[ $state != ACTIVE ]]; then
+    if [[ $state != ACTIVE || $NUM_SLICES -gt 1 ]]; then
+      # An ACTIVE multi-slice request has all of its nodes: it is ready as a whole.
+      [[ $state == ACTIVE ]] && state=READY
       echo "$state"
       return 0
     fi
@@ -542,8 +561,13 @@ setup_workers() {
     make_code_tarball "$tarball" || return
   fi
   local rc=0
-  gcloud_cmd compute tpus tpu-vm scp "$tarball" "${NAME}:${REMOTE_TARBALL}" --zone="$ZONE" \
-    --worker=all || rc=$?
+  if ((NUM_SLICES > 1)); then
+    gcloud_cmd compute tpus queued-resources scp "$tarball" "${QR}:${REMOTE_TARBALL}" \
+      --zone="$ZONE" --node=all --worker=all || rc=$?
+  else
+    gcloud_cmd compute tpus tpu-vm scp "$tarball" "${NAME}:${REMOTE_TARBALL}" --zone="$ZONE" \
+      --worker=all || rc=$?
+  fi
   if ((!DRY_RUN)); then
     rm -f "$tarball"
   fi

@@ -625,3 +625,34 @@ def test_create_refuses_a_slice_the_config_does_not_fit(tmp_path):
     forced = launch("create", *COMMON, *TOO_BIG, "--force", env=env)
     assert forced.returncode == 0, forced.stderr
     assert calls.read_text().startswith(f"compute tpus tpu-vm create {NAME} ")
+
+
+def test_dry_run_multi_slice_uses_one_queued_resource_of_n_nodes():
+    """--num_slices=2: one queued resource of two nodes (Multislice exists only so), reached as
+    a whole by setup, run, kill and delete (--node=all); the plan compiles for both slices."""
+    flags = [*COMMON, "--type=v5p-256", "--queued", "--num_slices=2"]
+    qr = f"{NAME}-qr"
+    created = launch("create", "--dry-run", *flags, f"--config={CONFIG}")
+    plan, create, describe = created.stdout.splitlines()
+    assert "--tpu=v5p-256 --num_slices=2 --json" in plan
+    assert shlex.split(create) == [
+        "gcloud", "compute", "tpus", "queued-resources", "create", qr, "--node-count=2",
+        f"--node-prefix={NAME}", f"--zone={ZONE}", "--accelerator-type=v5p-256",
+        "--runtime-version=v2-alpha-tpuv5",
+    ]  # fmt: skip
+    assert describe.startswith(f"gcloud compute tpus queued-resources describe {qr} ")
+    scp, ssh = dry_run("setup", *flags)
+    assert scp[:6] == ["gcloud", "compute", "tpus", "queued-resources", "scp", scp[5]]
+    assert scp[6] == f"{qr}:albert_jax_code.tar.gz" and "--node=all" in scp
+    every_host = ["gcloud", "compute", "tpus", "queued-resources", "ssh", qr, f"--zone={ZONE}",
+                  "--node=all", "--worker=all"]  # fmt: skip
+    assert ssh[: len(every_host)] == every_host
+    (run,) = dry_run("run", *flags, *RUN_FLAGS)
+    assert run[: len(every_host)] == every_host and "albert_jax.main" in remote_command(run)
+    (kill,) = dry_run("kill", *flags)
+    assert kill[: len(every_host)] == every_host
+    (delete,) = dry_run("delete", *flags)
+    assert delete == ["gcloud", "compute", "tpus", "queued-resources", "delete", qr,
+                      f"--zone={ZONE}", "--force", "--quiet"]  # fmt: skip
+    refused = launch("create", "--dry-run", *COMMON, "--type=v5p-256", "--num_slices=2")
+    assert refused.returncode == 2 and "--num_slices=2 needs --queued" in refused.stderr
