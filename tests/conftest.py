@@ -249,3 +249,14 @@ def corpus(tmp_path_factory, shared_data):
         "tokenizer": str(tokenizer),
         "austen": austen,
     }
+
+
+def local_or_gcs_workdir(where: str, request, tmp_path, name: str) -> tuple[str, dict[str, str]]:
+    """A fresh workdir on local disk (`where="local"`) or in the emulator's bucket ("gs", under
+    NAME/), and what a subprocess's environment needs to reach it."""
+    if where == "gs":
+        import time
+
+        gcs = request.getfixturevalue("gcs")
+        return gcs.url(f"{name}/{time.monotonic_ns()}"), dict(gcs.env)
+    return str(tmp_path / "run"), {}

@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import time
 
 import pytest
+from conftest import local_or_gcs_workdir
 from test_train import REPO, small_overrides, tiny_command
 
 from albert_jax import compile_cache
@@ -31,13 +31,7 @@ def _start(workdir: str, overrides: dict, env: dict) -> tuple[int, float, int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["local", "gs"])
 def test_a_restart_reads_its_step_from_the_persistent_cache(where, corpus, tmp_path, request):
-    env: dict[str, str] = {}
-    if where == "gs":
-        gcs = request.getfixturevalue("gcs")
-        workdir = gcs.url(f"compile_cache/{time.monotonic_ns()}")
-        env.update(gcs.env)
-    else:
-        workdir = str(tmp_path / "run")
+    workdir, env = local_or_gcs_workdir(where, request, tmp_path, "compile_cache")
     overrides = small_overrides(corpus, num_train_steps=8, checkpoint_every_steps=4)
     first = _start(workdir, {**overrides, "debug.sigterm_after_step": 4}, env)
     second = _start(workdir, overrides, env)
@@ -46,7 +40,7 @@ def test_a_restart_reads_its_step_from_the_persistent_cache(where, corpus, tmp_p
     assert second[1] <= 0.2 * first[1], (first, second)
     if where == "gs":
         prefix = workdir.split("/", 3)[3] + f"/{compile_cache.CACHE_DIR}/"
-        assert gcs.list(prefix), "no cache entry in the bucket"
+        assert request.getfixturevalue("gcs").list(prefix), "no cache entry in the bucket"
     else:
         assert os.listdir(os.path.join(workdir, compile_cache.CACHE_DIR))
 

@@ -16,6 +16,7 @@ import textwrap
 import time
 
 import pytest
+from conftest import local_or_gcs_workdir
 from test_train import REPO, small_overrides, tiny_command
 
 from albert_jax import checkpointing, files, metrics_writer, workdir_lease
@@ -130,13 +131,8 @@ def test_two_runs_on_one_workdir(where, corpus, tmp_path, request):
     """The probe's case: the same command twice (seeds 0 and 1) on one workdir. The second
     exits at once naming the first; the first trains on, saves when stopped and keeps only
     its own checkpoints, metrics and config."""
-    env = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    if where == "gs":
-        gcs = request.getfixturevalue("gcs")
-        workdir = gcs.url(f"lease/two_runs/{time.monotonic_ns()}")
-        env.update(gcs.env)
-    else:
-        workdir = str(tmp_path / "run")
+    workdir, env = local_or_gcs_workdir(where, request, tmp_path, "lease/two_runs")
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     args, run_env = _pretraining(corpus, workdir, env, seed=0)
     first = subprocess.Popen(args, cwd=REPO, env=run_env, stderr=subprocess.PIPE, text=True)
     try:
@@ -168,7 +164,8 @@ def test_two_runs_on_one_workdir(where, corpus, tmp_path, request):
     if where == "local":  # released: a lock nobody holds; on gs:// the lease object is gone
         workdir_lease.acquire(workdir).release()
     else:
-        assert not gcs.exists(workdir.split("/", 3)[3] + "/" + workdir_lease.LEASE_FILE)
+        lease_object = workdir.split("/", 3)[3] + "/" + workdir_lease.LEASE_FILE
+        assert not request.getfixturevalue("gcs").exists(lease_object)
 
 
 def test_a_missing_bucket_is_an_error_at_start_naming_it(gcs, corpus):
