@@ -11,7 +11,9 @@ jitted step with the state donated (`train_state.jit_step`) — on abstract inpu
 after): parameters, optimizer state, batch, temporaries and their total against the HBM the
 compiler lets a device use, and the verdict: the compiler itself refuses a program that does
 not fit (CompileTimeHbmOom, its message kept). Beside it: collectives by kind inside a slice
-and across slices with their bytes a step (`hlo_collectives`), the model FLOPs a device and
+and across slices with their bytes a step (`hlo_collectives`; with several slices also what
+crosses them against a device's share of one gradient copy, `cross_slice_over_gradient`: 1.0
+is the least data parallelism can send), the model FLOPs a device and
 the time they take at the chip's peak bf16 rate (a lower bound on the step, not a step time),
 and the compile time.
 
@@ -201,6 +203,16 @@ def plan(config: Any, target: Target) -> dict[str, Any]:
         collectives=hlo_collectives.summarize(compiled.as_text()),
         compiler_flops_per_device=float((compiled.cost_analysis() or {}).get("flops", 0.0)),
     )
+    if target.num_slices > 1:
+        # What data parallelism across slices must send at least: each device its share of
+        # one gradient copy (the gradients reduce-scattered inside the slice first).
+        gradient = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
+        share = gradient / (devices // target.num_slices)
+        sent = sum(c["bytes"] for c in report["collectives"]["cross_slice"].values())
+        report.update(
+            gradient_share_bytes=round(share),
+            cross_slice_over_gradient=round(sent / share, 3),
+        )
     return report
 
 
@@ -297,6 +309,11 @@ def _print_human(report: dict[str, Any]) -> None:
             for kind, c in kinds.items():
                 print(f"  {where:11s} {kind:15s} {c['count']:5d} a step "
                       f"{c['bytes'] / 2**20:10.1f} MiB")  # fmt: skip
+        if "cross_slice_over_gradient" in report:
+            print(
+                f"  across slices: {report['cross_slice_over_gradient']}x a device's share "
+                f"of one gradient copy ({report['gradient_share_bytes'] / 2**20:.1f} MiB)"
+            )
     elif report["compiler_accepted"]:
         print(f"  DOES NOT FIT: {report['total_gib']:.2f} GiB of buffers against "
               f"{report['usable_hbm_gib']} usable, although the compiler accepted the program "

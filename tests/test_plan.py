@@ -196,6 +196,9 @@ def test_only_the_gradient_reduction_crosses_slices(tpu):
     assert len(set(sent)) == 1  # independent of the batch: no activation crosses
     per_slice = reports[0]["devices"] // 2
     assert sent[0] * per_slice >= reports[0]["params_gib"] * 2**30  # f32 gradients = params
+    ratio = reports[0]["cross_slice_over_gradient"]
+    assert ratio == pytest.approx(sent[0] / reports[0]["gradient_share_bytes"], rel=1e-3)
+    assert ratio >= 1.0
 
 
 # ------------------------------------------------------------------------------------ meshes
