@@ -191,7 +191,6 @@ class Loop:
         )
         self._clock = compile_cache.CompileClock.get()
         self._compiled_before = (self._clock.seconds, self._clock.programs, self._clock.hits)
-        self.compile_s: float | None = None  # compile time up to the first step (logged)
         self.state, self.start_step = self._restore_or_initialize()
         # Only a run whose config passed every check (the objective's, the resume's) records
         # it: a refused restart keeps the config.json of the run it would have continued.
@@ -418,9 +417,9 @@ class Loop:
             self._excluded = 0.0
             seconds, programs, hits = self._compiled_before
             clock = self._clock
-            self.compile_s = clock.seconds - seconds
             logging.info("compilation: %d programs in %.2f s (%d read from the persistent cache)",
-                         clock.programs - programs, self.compile_s, clock.hits - hits)  # fmt: skip
+                         clock.programs - programs, clock.seconds - seconds,
+                         clock.hits - hits)  # fmt: skip
         return values
 
     def _log(self, pending: _Pending, values: dict[str, float]) -> None:

@@ -207,7 +207,7 @@ def plan(config: Any, target: Target) -> dict[str, Any]:
         # What data parallelism across slices must send at least: each device its share of
         # one gradient copy (the gradients reduce-scattered inside the slice first).
         gradient = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
-        share = gradient / (devices // target.num_slices)
+        share = gradient / spec.num_devices  # a slice's devices
         sent = sum(c["bytes"] for c in report["collectives"]["cross_slice"].values())
         report.update(
             gradient_share_bytes=round(share),

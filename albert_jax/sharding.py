@@ -90,33 +90,22 @@ def create_mesh(
             f"config.mesh.slices={slices} but the devices span {found} TPU slices; set it to "
             f"{found} or 0 (as the devices say)"
         )
-    if slices > 1 and found > 1:
-        return slice_mesh(shape, devices, slices)
-    if slices > 1:  # no TPU slices: the processes are the groups
-        return _process_group_mesh(shape, devices, slices)
-    return jax.make_mesh(
-        shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
-    )
-
-
-def _process_group_mesh(shape: tuple[int, ...], devices: Sequence[Any], slices: int) -> Mesh:
-    """`create_mesh`'s layout for `slices` groups of hosts without TPU slices: one process a
-    group (mesh_utils' `process_is_granule`), the data axis spanning them outermost."""
-    from jax.experimental import mesh_utils
-
+    if slices == 1:
+        return jax.make_mesh(
+            shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
+        )
+    by_process = found == 1  # no TPU slices: the processes are the groups
     processes = len({d.process_index for d in devices})
-    if processes != slices or shape[0] % slices:
+    if by_process and processes != slices:
         raise ValueError(
             f"config.mesh.slices={slices}: without TPU slices each group is a process, and "
-            f"this job has {processes}; and the data axis ({shape[0]}) must be a multiple of "
-            "the groups"
+            f"this job has {processes}"
         )
-    ici = (shape[0] // slices, *shape[1:])
-    grid = mesh_utils.create_hybrid_device_mesh(
-        ici, (slices, 1, 1), devices, process_is_granule=True, allow_split_physical_axes=True
-    )
-    logging.info("mesh %s: the data axis spans %d process groups of %s", shape, slices, ici)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    mesh = slice_mesh(shape, devices, slices, by_process=by_process)
+    if by_process:
+        logging.info("mesh %s: the data axis spans %d process groups of %s", shape, slices,
+                     (shape[0] // slices, *shape[1:]))  # fmt: skip
+    return mesh
 
 
 def slice_count(devices: Sequence[Any]) -> int:
@@ -125,10 +114,14 @@ def slice_count(devices: Sequence[Any]) -> int:
     return len({getattr(d, "slice_index", 0) for d in devices})
 
 
-def slice_mesh(shape: Sequence[int], devices: Sequence[Any], num_slices: int = 1) -> Mesh:
+def slice_mesh(
+    shape: Sequence[int], devices: Sequence[Any], num_slices: int = 1, by_process: bool = False
+) -> Mesh:
     """A (data, fsdp, tensor) mesh of `shape` over TPU slice devices, laid on the physical
     torus (`mesh_utils`); with several slices the data axis spans them (over the data-center
     network: one gradient reduction a step) and fsdp / tensor stay inside each slice.
+    `by_process`: the groups are the processes, not TPU slices (mesh_utils' process granules:
+    CPU and GPU hosts, whose devices have no `slice_index`).
 
     Raises:
       ValueError: a data size that the slices do not divide.
@@ -146,7 +139,11 @@ def slice_mesh(shape: Sequence[int], devices: Sequence[Any], num_slices: int = 1
             )
         ici = (shape[0] // num_slices, *shape[1:])
         grid = mesh_utils.create_hybrid_device_mesh(
-            ici, (num_slices, 1, 1), devices, allow_split_physical_axes=True
+            ici,
+            (num_slices, 1, 1),
+            devices,
+            process_is_granule=by_process,
+            allow_split_physical_axes=True,
         )
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
