@@ -23,6 +23,7 @@ and their saved position, its evaluation, and what it writes at the end.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -189,6 +190,7 @@ class Loop:
             in_shardings=(shardings.params, self.batch_sharding),
             out_shardings=self.replicated if objective.eval_reduces else self.batch_sharding,
         )
+        self._eval_in_flight: collections.deque[PyTree] = collections.deque()  # `eval_step`
         self._clock = compile_cache.CompileClock.get()
         self._compiled_before = (self._clock.seconds, self._clock.programs, self._clock.hits)
         self.state, self.start_step = self._restore_or_initialize()
@@ -279,14 +281,21 @@ class Loop:
         return put_batch(local_batch, self.batch_sharding, global_batch)
 
     def eval_step(self, params: PyTree, batch: Mapping[str, jax.Array]) -> PyTree:
-        """The objective's `eval_fn` on a batch placed by `put`; outputs stay on the devices."""
-        return self._eval_step(params, batch)
+        """The objective's `eval_fn` on a batch placed by `put`; outputs stay on the devices.
+        At most two run at a time, as the training steps (see `run`: a deep queue of
+        multi-device programs can starve XLA:CPU's rendezvous until it aborts the process)."""
+        out = self._eval_step(params, batch)
+        self._eval_in_flight.append(out)
+        if len(self._eval_in_flight) > 2:
+            jax.block_until_ready(self._eval_in_flight.popleft())
+        return out
 
     def _evaluate(self, params: PyTree) -> dict[str, Any]:
         jax.block_until_ready(params)  # the training step is not evaluation time
         start = time.perf_counter()
         with jax.transfer_guard("allow"):  # evaluation gathers outputs on the host
             metrics = self.objective.evaluate(self, params)
+        self._eval_in_flight.clear()
         self._excluded += time.perf_counter() - start
         return metrics
 
