@@ -124,6 +124,7 @@ class FineTuning(TaskModel):
         )
         self.init_source = (pretrained.source, config.init) if pretrained else ("scratch", "")
         self.model = build_model(spec, self.model_config, config)
+        self.lay_on(mesh)
         if jax.process_index() == 0 and tokenizer_path:
             files.copy(tokenizer_path, files.as_path(workdir) / checkpointing.TOKENIZER_FILE)
 

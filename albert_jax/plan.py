@@ -107,7 +107,7 @@ def _fine_tuning(config: Any, target: Target) -> tuple[Any, Any, dict[str, Any],
     mesh = slice_mesh(shapes, target.devices, target.num_slices)
     batch = kind.batch_shapes(rows, int(config.max_seq_length), task)
     model = kind.build_model(model_config, task, config)
-    objective = TaskModel.for_plan(config, kind, model, batch, shapes[0] * shapes[1])
+    objective = TaskModel.for_plan(config, kind, model, batch, mesh)
     # Sequences of the batch: its rows, times the options of a multiple-choice row [B, C, S].
     *sequences, S = batch["input_ids"][0]
     flops = flops_lib.train_flops_per_step(model_config, math.prod(sequences), S, 0,

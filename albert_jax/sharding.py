@@ -9,7 +9,7 @@ that FSDP-sharding the `embed` dim of weights never shards the feature dim of ac
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -146,6 +146,51 @@ def slice_mesh(
             allow_split_physical_axes=True,
         )
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def slice_groups(mesh: Mesh, slices: int = 0) -> int:
+    """How many groups joined by the slower network the data axis of `mesh` spans: its
+    devices' TPU slices, or `slices` (config.mesh.slices: process groups on CPU / GPU)."""
+    return max(int(slices), slice_count(list(mesh.devices.flat)))
+
+
+def forward_per_replica(forward: Callable[..., Any], mesh: Mesh, slices: int = 0) -> Callable:
+    """`forward(params, batch, rng)` → outputs [B, ...] run once per data-parallel replica
+    (`jax.shard_map`, manual over `data`; fsdp and tensor stay automatic) when the data axis
+    spans several slices (`slice_groups`); else `forward` itself.
+
+    Why: under the automatic partitioner a weight used twice (the shared block in the scan
+    and in the split-off last layer, the word embeddings in the lookup and the tied decoder)
+    gets each use's gradient reduced on its own — across slices, over the data-center
+    network, about two gradient copies a step. Here the params enter the replica once
+    (`pcast` to varying), so the backward pass sums every use inside the replica and
+    reduces each weight once (the transpose of that one `pcast` is one `psum` over data).
+    The loss stays outside, on the global batch: its normalizers (Σ weights) are global and
+    the step's numbers those of one slice, up to the order of sums. Dropout keys are folded
+    with the replica's index (the masks differ from a one-slice run's, not their law).
+    """
+    if slice_groups(mesh, slices) <= 1 or mesh.shape["data"] == 1:
+        return forward
+    import flax.linen as nn
+
+    def replica(params: PyTree, batch: PyTree, rng: jax.Array) -> PyTree:
+        rng = jax.random.fold_in(rng, jax.lax.axis_index("data"))
+        params = jax.lax.pcast(params, "data", to="varying")
+        # Inside, `data` is manual: a constraint may name only the automatic axes.
+        rules = tuple((name, _without_data(axes)) for name, axes in nn.get_logical_axis_rules())
+        with nn.logical_axis_rules(rules):
+            return forward(params, batch, rng)
+
+    spec = PartitionSpec("data")
+    return jax.shard_map(replica, mesh=mesh, in_specs=(PartitionSpec(), spec, PartitionSpec()),
+                         out_specs=spec, axis_names={"data"})  # fmt: skip
+
+
+def _without_data(axes: str | tuple[str, ...] | None) -> str | tuple[str, ...] | None:
+    if isinstance(axes, tuple):
+        kept = tuple(a for a in axes if a != "data")
+        return kept if len(kept) > 1 else (kept[0] if kept else None)
+    return None if axes == "data" else axes
 
 
 # ----------------------------------------------------------------------------------------------

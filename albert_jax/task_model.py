@@ -11,9 +11,11 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+from jax.sharding import Mesh
 
 from albert_jax import optim
 from albert_jax.finetune_config import optimizer_config
+from albert_jax.sharding import forward_per_replica
 
 PyTree = Any
 
@@ -42,8 +44,17 @@ class TaskModel:
         return optim.make_optimizer(optimizer_config(self.config, self.total_steps))
 
     def loss(self, params: PyTree, batch: Mapping[str, jax.Array], rng: jax.Array):
-        outputs = self.kind.apply(self.model, params, batch, train=True, rng=rng)
-        return self.kind.loss(outputs, batch)
+        return self.kind.loss(self._forward(params, batch, rng), batch)
+
+    def _forward(self, params: PyTree, batch: Mapping[str, jax.Array], rng: jax.Array):
+        """The kind's training outputs, rows [B, ...]."""
+        return self.kind.apply(self.model, params, batch, train=True, rng=rng)
+
+    def lay_on(self, mesh: Mesh) -> None:
+        """Across slices the forward pass runs once per data replica (one gradient
+        reduction per weight: `sharding.forward_per_replica`)."""
+        slices = int(self.config.get("mesh", {}).get("slices", 0))
+        self._forward = forward_per_replica(self._forward, mesh, slices)
 
     def eval_fn(self, params: PyTree, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         """The kind's outputs [B, ...]; N seeds: [B, N, ...] (rows stay the sharded axis)."""
@@ -52,13 +63,15 @@ class TaskModel:
 
     @classmethod
     def for_plan(
-        cls, config: Any, kind: Any, model: Any, batch_shapes: Mapping[str, Any], rows: int
+        cls, config: Any, kind: Any, model: Any, batch_shapes: Mapping[str, Any], mesh: Mesh
     ) -> TaskModel:
-        """The task model of `config` without its data: the init batch is zeros of the
-        kind's shapes ({name: (shape [B, ...], dtype)}) at `rows` rows; the schedule runs
-        `config.num_train_steps`."""
+        """The task model of `config` on `mesh` without its data: the init batch is zeros of
+        the kind's shapes ({name: (shape [B, ...], dtype)}) at a row per (data, fsdp) shard;
+        the schedule runs `config.num_train_steps`."""
         self = cls()
         self.config, self.kind, self.model = config, kind, model
+        self.lay_on(mesh)
+        rows = mesh.shape["data"] * mesh.shape["fsdp"]
         self.init_batch = {k: np.zeros((rows, *s[1:]), d) for k, (s, d) in batch_shapes.items()}
         self.total_steps = max(int(config.num_train_steps), 1)
         self.num_seeds = int(config.num_seeds)

@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from albert_jax import flops, losses, optim, train_state
 from albert_jax.data.pretraining import PAIR_KINDS
 from albert_jax.model import AlbertForPreTraining, init_params
+from albert_jax.sharding import forward_per_replica
 
 PyTree = Any
 
@@ -72,6 +73,9 @@ class PretrainingModel:
         self.sentence_order = config.objective != "none"
         self.microbatches = int(config.microbatches)
         self._eval_sums = make_eval_step(config, model)
+        if mesh is not None:  # across slices: once per data replica (one gradient reduction)
+            slices = int(config.get("mesh", {}).get("slices", 0))
+            self._forward = forward_per_replica(self._forward, mesh, slices)
 
     def init_variables(self, rng: jax.Array) -> PyTree:
         return init_params(self.model, rng, batch_size=self.init_rows, seq_len=8)["params"]
@@ -82,6 +86,11 @@ class PretrainingModel:
         return optim.make_optimizer(self.config, stacked=stacked)
 
     def loss(self, params: PyTree, batch: Mapping[str, jax.Array], rng: jax.Array):
+        outputs = self._forward(params, batch, rng)
+        return losses.pretraining_loss(outputs, batch, sentence_order=self.sentence_order)
+
+    def _forward(self, params: PyTree, batch: Mapping[str, jax.Array], rng: jax.Array):
+        """{"mlm_logits": [B, P, V], "sop_logits": [B, 2]} of a training batch."""
         outputs = self.model.apply(
             {"params": params},
             *_model_inputs(batch),
@@ -89,7 +98,7 @@ class PretrainingModel:
             return_sequence_output=False,  # last layer only where the heads read
             rngs={"dropout": rng},
         )
-        return losses.pretraining_loss(outputs, batch, sentence_order=self.sentence_order)
+        return {k: outputs[k] for k in ("mlm_logits", "sop_logits") if k in outputs}
 
     def eval_fn(self, params: PyTree, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         return self._eval_sums(params, batch)
