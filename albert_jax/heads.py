@@ -1,5 +1,5 @@
 """Fine-tuning heads over `AlbertModel`: classification / regression, SQuAD v1 and v2 span
-prediction, multiple choice; and their losses.
+prediction, multiple choice. Modules only: their losses live in `albert_jax.losses`.
 
 Every model takes the inputs of `AlbertModel` (`input_ids, segment_ids, input_mask`, [B,S]; for
 multiple choice [B,C,S]) plus `deterministic`, and keeps the backbone under the name `albert`,
@@ -23,7 +23,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
 from albert_jax.config import ModelConfig
 from albert_jax.model import AlbertModel, Dense, LayerNorm
@@ -34,10 +33,6 @@ __all__ = [
     "AlbertForQuestionAnswering",
     "AlbertForQuestionAnsweringV2",
     "AlbertForMultipleChoice",
-    "classification_loss",
-    "regression_loss",
-    "span_loss",
-    "squad_v2_loss",
     "head_name",
 ]
 
@@ -319,70 +314,6 @@ class AlbertForMultipleChoice(nn.Module):
         if option_mask is not None:
             logits = _mask_logits(logits, option_mask)
         return logits
-
-
-# --------------------------------------------------------------------------------------- losses
-def _weighted_mean(values: Array, weights: Array | None) -> Array:
-    """Mean of values [B] with example weights [B] (padding examples weigh 0)."""
-    values = values.astype(jnp.float32)
-    if weights is None:
-        return jnp.mean(values)
-    weights = weights.astype(jnp.float32)
-    # `where`, not a product: a NaN in a padding example must not leak into the mean.
-    total = jnp.sum(jnp.where(weights > 0, weights * values, 0.0))
-    return total / jnp.maximum(jnp.sum(weights), 1e-12)
-
-
-def _nll(log_probs: Array, labels: Array) -> Array:
-    """-log p(label): log_probs [B,C], labels [B] int -> [B]."""
-    picked = jnp.take_along_axis(log_probs, labels.astype(jnp.int32)[:, None], axis=-1)
-    return -picked[:, 0]
-
-
-def classification_loss(logits: Array, labels: Array, weights: Array | None = None) -> Array:
-    """Mean cross-entropy; logits [B,C] (options or classes), labels [B] int -> scalar."""
-    return _weighted_mean(_nll(jax.nn.log_softmax(logits.astype(jnp.float32)), labels), weights)
-
-
-def regression_loss(logits: Array, labels: Array, weights: Array | None = None) -> Array:
-    """Mean squared error (official STS-B); logits [B,1], labels [B] float -> scalar."""
-    diff = logits[:, 0].astype(jnp.float32) - labels.astype(jnp.float32)
-    return _weighted_mean(jnp.square(diff), weights)
-
-
-def span_loss(
-    start_logits: Array,
-    end_logits: Array,
-    start_positions: Array,
-    end_positions: Array,
-    weights: Array | None = None,
-) -> Array:
-    """SQuAD v1: (CE(start) + CE(end)) / 2; logits [B,S], positions [B] int -> scalar."""
-    start = _nll(jax.nn.log_softmax(start_logits.astype(jnp.float32)), start_positions)
-    end = _nll(jax.nn.log_softmax(end_logits.astype(jnp.float32)), end_positions)
-    return _weighted_mean((start + end) / 2.0, weights)
-
-
-def squad_v2_loss(
-    outputs: dict[str, Array],
-    start_positions: Array,
-    end_positions: Array,
-    is_impossible: Array,
-    weights: Array | None = None,
-) -> Array:
-    """Official v2 loss: (CE(start) + CE(end)) / 2 + 0.5 * sigmoid-CE(cls_logits, is_impossible).
-
-    outputs: the training outputs of `AlbertForQuestionAnsweringV2` (log-probs [B,S],
-    cls_logits [B]); positions [B] int (0 = [CLS] for unanswerable); is_impossible [B] in {0,1}.
-    """
-    start = _nll(outputs["start_log_probs"], start_positions)
-    end = _nll(outputs["end_log_probs"], end_positions)
-    answerability = optax.sigmoid_binary_cross_entropy(
-        outputs["cls_logits"].astype(jnp.float32), is_impossible.astype(jnp.float32)
-    )
-    return _weighted_mean((start + end) / 2.0, weights) + 0.5 * _weighted_mean(
-        answerability, weights
-    )
 
 
 def head_name(model: Any) -> str:

@@ -1,4 +1,4 @@
-"""Fine-tuning heads (shapes, masks, losses, the SQuAD v2 beam), task featurization (truncation,
+"""Fine-tuning heads (shapes, masks, the SQuAD v2 beam), task featurization (truncation,
 SQuAD offsets that round-trip the original text), n-best decoding and the TFDS record mappers."""
 
 from __future__ import annotations
@@ -19,11 +19,8 @@ from albert_jax.heads import (
     AlbertForQuestionAnswering,
     AlbertForQuestionAnsweringV2,
     AlbertForSequenceClassification,
-    classification_loss,
-    regression_loss,
-    span_loss,
-    squad_v2_loss,
 )
+from albert_jax.losses import squad_v2_loss
 from albert_jax.model import AlbertForPreTraining, AlbertModel, init_params
 from albert_jax.tasks import glue, local, race, squad
 from albert_jax.tasks.batching import eval_batches, train_batch
@@ -217,37 +214,6 @@ def test_multiple_choice_masks_padding_options():
     np.testing.assert_allclose(permuted, logits[:, perm], rtol=1e-5)
     with pytest.raises(ValueError, match="input_ids must be"):
         jax.eval_shape(model.apply, variables, ids, seg, mask)
-
-
-def test_losses_match_their_definitions():
-    logits = jnp.array([[2.0, 0.0, -1.0], [0.5, 0.5, 0.0]])
-    labels = jnp.array([0, 2])
-    log_p = jax.nn.log_softmax(logits)
-    np.testing.assert_allclose(
-        classification_loss(logits, labels), -(log_p[0, 0] + log_p[1, 2]) / 2, rtol=1e-6
-    )
-    # Padding examples (weight 0) do not count, even when their loss is NaN.
-    weighted = classification_loss(
-        jnp.array([[2.0, 0.0, -1.0], [jnp.nan, 0, 0]]), labels, jnp.array([1.0, 0.0])
-    )
-    np.testing.assert_allclose(weighted, -log_p[0, 0], rtol=1e-6)
-    np.testing.assert_allclose(
-        regression_loss(jnp.array([[1.0], [3.0]]), jnp.array([0.0, 1.0])), (1 + 4) / 2
-    )
-    s, e = jnp.array([[0.0, 1.0, 2.0]]), jnp.array([[3.0, 0.0, 0.0]])
-    expected = -(jax.nn.log_softmax(s)[0, 2] + jax.nn.log_softmax(e)[0, 0]) / 2
-    np.testing.assert_allclose(span_loss(s, e, jnp.array([2]), jnp.array([0])), expected)
-    out = {
-        "start_log_probs": jax.nn.log_softmax(s),
-        "end_log_probs": jax.nn.log_softmax(e),
-        "cls_logits": jnp.array([0.7]),
-    }
-    sigmoid_ce = -jnp.log(jax.nn.sigmoid(0.7))
-    np.testing.assert_allclose(
-        squad_v2_loss(out, jnp.array([2]), jnp.array([0]), jnp.array([1])),
-        expected + 0.5 * sigmoid_ce,
-        rtol=1e-6,
-    )
 
 
 # ---------------------------------------------------------------------------- featurization

@@ -1,4 +1,5 @@
-"""MLM / SOP losses and metrics against numpy."""
+"""The losses and metrics of pretraining (MLM / SOP, against numpy) and fine-tuning, and their
+one out-of-range label policy (NaN, never a clamped class)."""
 
 import jax
 import jax.numpy as jnp
@@ -125,3 +126,91 @@ def test_pretraining_loss_names_missing_batch_key(missing):
     del batch[missing]
     with pytest.raises(ValueError, match=missing):
         losses.pretraining_loss(outputs, batch)
+
+
+# ---------------------------------------------------------------------------------- fine-tuning
+def test_task_losses_match_their_definitions():
+    logits = jnp.array([[2.0, 0.0, -1.0], [0.5, 0.5, 0.0]])
+    labels = jnp.array([0, 2])
+    log_p = jax.nn.log_softmax(logits)
+    np.testing.assert_allclose(
+        losses.classification_loss(logits, labels), -(log_p[0, 0] + log_p[1, 2]) / 2, rtol=1e-6
+    )
+    # Padding examples (weight 0) do not count, even when their loss is NaN.
+    weighted = losses.classification_loss(
+        jnp.array([[2.0, 0.0, -1.0], [jnp.nan, 0, 0]]), labels, jnp.array([1.0, 0.0])
+    )
+    np.testing.assert_allclose(weighted, -log_p[0, 0], rtol=1e-6)
+    np.testing.assert_allclose(
+        losses.regression_loss(jnp.array([[1.0], [3.0]]), jnp.array([0.0, 1.0])), (1 + 4) / 2
+    )
+    s, e = jnp.array([[0.0, 1.0, 2.0]]), jnp.array([[3.0, 0.0, 0.0]])
+    expected = -(jax.nn.log_softmax(s)[0, 2] + jax.nn.log_softmax(e)[0, 0]) / 2
+    np.testing.assert_allclose(losses.span_loss(s, e, jnp.array([2]), jnp.array([0])), expected)
+    out = {
+        "start_log_probs": jax.nn.log_softmax(s),
+        "end_log_probs": jax.nn.log_softmax(e),
+        "cls_logits": jnp.array([0.7]),
+    }
+    sigmoid_ce = -jnp.log(jax.nn.sigmoid(0.7))
+    np.testing.assert_allclose(
+        losses.squad_v2_loss(out, jnp.array([2]), jnp.array([0]), jnp.array([1])),
+        expected + 0.5 * sigmoid_ce,
+        rtol=1e-6,
+    )
+
+
+def test_classification_accuracy_is_weighted():
+    logits = jnp.array([[2.0, 0.0], [0.0, 1.0], [3.0, 0.0]])
+    labels = jnp.array([0, 0, 1])
+    np.testing.assert_allclose(losses.classification_accuracy(logits, labels), 1 / 3, rtol=1e-6)
+    weights = jnp.array([1.0, 1.0, 0.0])  # the third row is padding
+    np.testing.assert_allclose(losses.classification_accuracy(logits, labels, weights), 0.5)
+
+
+def test_pick_label_gives_nan_outside_the_classes():
+    values = jnp.array([[0.1, 0.2, 0.3]] * 5)
+    picked = losses.pick_label(values, jnp.array([0, 2, 3, -1, 100]))
+    np.testing.assert_allclose(picked[:2], [0.1, 0.3], rtol=1e-6)
+    assert bool(jnp.isnan(picked[2:]).all())  # not 0.3 (clamped) nor, for -1, wrapped to 0.3
+
+
+def _task_losses(labels, weights=None):
+    """Each task loss on two examples whose class / option / position labels are `labels`."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(2, 3)), jnp.float32)
+    start, end = (jnp.asarray(rng.normal(size=(2, 5)), jnp.float32) for _ in range(2))
+    outputs = {
+        "start_log_probs": jax.nn.log_softmax(start),
+        "end_log_probs": jax.nn.log_softmax(end),
+        "cls_logits": jnp.zeros(2),
+    }
+    other = jnp.array([0, 1])
+    return {
+        "classification": losses.classification_loss(logits, labels, weights),
+        "span_start": losses.span_loss(start, end, labels, other, weights),
+        "span_end": losses.span_loss(start, end, other, labels, weights),
+        "squad_v2_start": losses.squad_v2_loss(outputs, labels, other, other, weights),
+        "squad_v2_end": losses.squad_v2_loss(outputs, other, labels, other, weights),
+        "masked_lm": losses.masked_lm_loss(
+            logits[None], labels[None], jnp.ones((1, 2)) if weights is None else weights[None]
+        ),
+        "sentence_order": losses.sentence_order_loss(logits[:, :2], labels),
+    }
+
+
+@pytest.mark.parametrize("bad", [3, 5, 1000, -1])
+@pytest.mark.parametrize("jit", [False, True])
+def test_out_of_range_label_gives_nan_loss(bad, jit):
+    """3 is past the 3 classes, 5 past the 5 span positions: an off-by-one label must show."""
+    fn = jax.jit(_task_losses) if jit else _task_losses
+    good = fn(jnp.array([1, 0]))
+    assert all(bool(jnp.isfinite(v)) for v in good.values()), good
+    bad_values = fn(jnp.array([1, bad]))
+    # A label of 3 is in range for the 5 span positions; every other case is out of range.
+    expected_nan = {k for k in good if bad != 3 or not k.startswith(("span", "squad"))}
+    assert {k for k, v in bad_values.items() if bool(jnp.isnan(v))} == expected_nan
+    # The same bad label on a padding row (weight 0) does not count.
+    padded = fn(jnp.array([1, bad]), jnp.array([1.0, 0.0]))
+    finite = {k for k, v in padded.items() if bool(jnp.isfinite(v))}
+    assert finite == set(good) - {"sentence_order"}  # SOP takes no weights

@@ -16,7 +16,7 @@ from test_finetune import (
     tiny_tokenizer_path,
 )
 
-from albert_jax import heads
+from albert_jax import heads, losses
 from albert_jax.config import ModelConfig
 from albert_jax.tasks import packing
 from albert_jax.tasks.batching import bucket_lengths, train_batch
@@ -113,7 +113,7 @@ def test_packed_rows_give_the_logits_and_gradients_of_separate_rows(scan):
     def loss(p, b):
         extra = {k: b[k] for k in packing.PACKED_INPUTS if k in b}
         logits = model.apply(p, b["input_ids"], b["segment_ids"], b["input_mask"], **extra)
-        return heads.classification_loss(logits, b["label"]), logits
+        return losses.classification_loss(logits, b["label"]), logits
 
     loss_and_grads = jax.jit(jax.value_and_grad(loss, has_aux=True))
     (loss_a, logits_a), grads_a = loss_and_grads(params, batch)

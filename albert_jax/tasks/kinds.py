@@ -9,9 +9,10 @@
 
 A kind owns its head (`build_model`), which feature arrays go to the devices (`model_inputs`)
 and how the model runs on them (`init_variables`, `apply`), the training loss and metrics
-(`loss`), featurization (`featurize`), the official metrics and predictions (`score`) and the
-prediction files (`write_predictions`). `TaskSpec.kind` (tasks/registry.py) names one of
-`KINDS`; `get_kind(name)` looks it up. Adding a kind is a subclass and an entry in `KINDS`.
+(`loss`, computed by `albert_jax.losses`), featurization (`featurize`), the official metrics
+and predictions (`score`) and the prediction files (`write_predictions`). `TaskSpec.kind`
+(tasks/registry.py) names one of `KINDS`; `get_kind(name)` looks it up. Adding a kind is a
+subclass and an entry in `KINDS`.
 
 Shapes: B batch rows, S sequence length, C options, N examples, F features (SQuAD windows).
 """
@@ -25,10 +26,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from albert_jax import files, heads
+from albert_jax import files, heads, losses
 from albert_jax.config import ModelConfig
 from albert_jax.tasks import squad_eval
 from albert_jax.tasks.batching import Features
@@ -205,10 +205,10 @@ class Classification(TaskKind):
         self, outputs: Mapping[str, jax.Array], batch: Batch
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """logits [B,K], label [B] int -> cross-entropy and accuracy."""
-        logits, label = outputs["logits"], batch["label"]
-        loss = heads.classification_loss(logits, label, batch.get("example_weight"))
-        correct = jnp.argmax(logits, -1) == label
-        return loss, {"loss": loss, "accuracy": jnp.mean(correct.astype(jnp.float32))}
+        logits, label, weights = outputs["logits"], batch["label"], batch.get("example_weight")
+        loss = losses.classification_loss(logits, label, weights)
+        accuracy = losses.classification_accuracy(logits, label, weights)
+        return loss, {"loss": loss, "accuracy": accuracy}
 
     def featurize(
         self, examples: Sequence[Any], tokenizer: Any, config: Any, spec: TaskSpec
@@ -246,7 +246,9 @@ class Regression(Classification):
         self, outputs: Mapping[str, jax.Array], batch: Batch
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """logits [B,1], label [B] float -> mean squared error."""
-        loss = heads.regression_loss(outputs["logits"], batch["label"], batch.get("example_weight"))
+        loss = losses.regression_loss(
+            outputs["logits"], batch["label"], batch.get("example_weight")
+        )
         return loss, {"loss": loss}
 
     def featurize(
@@ -363,7 +365,7 @@ class SpanV1(_Span):
         self, outputs: Mapping[str, jax.Array], batch: Batch
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """start_logits, end_logits [B,S]; start_positions, end_positions [B] -> mean CE."""
-        loss = heads.span_loss(
+        loss = losses.span_loss(
             outputs["start_logits"], outputs["end_logits"], batch["start_positions"],
             batch["end_positions"], batch.get("example_weight"),
         )  # fmt: skip
@@ -414,7 +416,7 @@ class SpanV2(_Span):
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """start/end_log_probs [B,S], cls_logits [B]; positions, is_impossible [B] -> the
         official v2 loss."""
-        loss = heads.squad_v2_loss(
+        loss = losses.squad_v2_loss(
             outputs, batch["start_positions"], batch["end_positions"], batch["is_impossible"],
             batch.get("example_weight"),
         )  # fmt: skip
