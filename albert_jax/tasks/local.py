@@ -380,8 +380,10 @@ def read_mc_cosmosqa(
     return _read_jsonl(path, parse, stats, name, limits)
 
 
-def _nearest_occurrence(context: str, text: str, near: int) -> int:
-    """Start of the occurrence of text in context closest to `near`, or -1 if there is none."""
+def nearest_occurrence(context: str, text: str, near: int) -> int:
+    """Start of the occurrence of text in context closest to `near`, or -1 if there is none
+    (the earlier one of two as close). Where a SQuAD answer whose answer_start does not point
+    at its text is moved to, by this reader and the TFDS one (tasks/squad.py)."""
     best = -1
     start = context.find(text)
     while start != -1:
@@ -412,7 +414,7 @@ def _squad_answers(
         if context[start : start + len(text)] != text:
             # Some real files (e.g. SQuAD-Shifts amazon_reviews) have offsets shifted by a few
             # characters; the answer text itself is in the context, so it is moved there.
-            found = _nearest_occurrence(context, text, start) if relocate_answers else -1
+            found = nearest_occurrence(context, text, start) if relocate_answers else -1
             if found == -1:
                 stats.adjusted["answer_dropped:not_in_context"] += 1
                 continue

@@ -19,20 +19,11 @@ import numpy as np
 
 from albert_jax import files
 from albert_jax.files import BadRecordError
-from albert_jax.tasks.local import ReadStats, SpanAnswer, SpanExample
+from albert_jax.tasks.local import ReadStats, SpanAnswer, SpanExample, nearest_occurrence
 
 __all__ = ["SQUAD_VERSIONS", "squad_example", "read_squad_tfds", "squad_json"]
 
 SQUAD_VERSIONS = {"v1.1": "squad/v1.1", "v2.0": "squad/v2.0"}
-
-
-def _nearest(context: str, text: str, near: int) -> int:
-    best, start = -1, context.find(text)
-    while start != -1:
-        if best == -1 or abs(start - near) < abs(best - near):
-            best = start
-        start = context.find(text, start + 1)
-    return best
 
 
 def squad_example(record: Mapping[str, Any], stats: ReadStats | None = None) -> SpanExample:
@@ -52,7 +43,7 @@ def squad_example(record: Mapping[str, Any], stats: ReadStats | None = None) -> 
         if not text:
             continue
         if context[start : start + len(text)] != text:
-            found = _nearest(context, text, start)
+            found = nearest_occurrence(context, text, start)
             key = "answer_start_relocated" if found != -1 else "answer_dropped:not_in_context"
             if stats is not None:
                 stats.adjusted[key] += 1
