@@ -92,7 +92,8 @@ def parse_flags(argv: list[str]) -> list[str]:
 def unknown_override_message(argv: list[str], error: BaseException) -> str | None:
     """`config: unknown field 'lerning_rate' in --config.lerning_rate=1; did you mean
     'learning_rate'?` from ml_collections' error for an unknown override; None when no
-    `--config.` argument names the missing field."""
+    `--config.` argument of `argv` names the missing field. The one rewrite of that error:
+    `parse_flags` (main.py's command line) and `glue_table.task_config` (its overrides)."""
     text = str(error.args[0]) if error.args else str(error)
     match = re.search(r'Did you mean "([^"]+)" instead of "([^"]+)"', text)
     key = match.group(2) if match else text.strip("'\"").splitlines()[0].strip("'\"")

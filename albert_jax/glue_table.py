@@ -218,12 +218,11 @@ def task_config(
         return _override(config, overrides)
     except flags.Error as e:  # a bad value: the message names the flag
         raise ValueError(f"task {task}: {e}") from e
-    except (AttributeError, KeyError) as e:  # ml_collections' KeyError, in an AttributeError
-        cause = e
-        while cause.args and isinstance(cause.args[0], BaseException):
-            cause = cause.args[0]
-        detail = " ".join(str(cause.args[0] if cause.args else cause).split())
-        raise ValueError(f"task {task}: unknown config field in an override: {detail}") from e
+    except (AttributeError, KeyError) as e:  # an unknown field: named as main.py names it
+        message = cli.unknown_override_message(list(overrides), e)
+        if message is None:  # no override's: a config file's own bug
+            raise
+        raise ValueError(f"task {task}: {message}") from e
 
 
 def _override(config: Any, overrides: Sequence[str]) -> Any:
