@@ -10,7 +10,7 @@ pods (detected from the TPU runtime environment), when `JAX_COORDINATOR_ADDRESS`
 `--coordinator_address --num_processes --process_id` (e.g. CPU/GPU hosts or a localhost test).
 A run stopped by SIGTERM (or a TPU preemption notice) saves a checkpoint and exits 0; starting
 the same command again resumes. On a CPU-only host a fine-tuning run keeps the memory XLA frees
-after a step for the next (`set_up_process`).
+after a step for the next (`process_setup.set_up_process`).
 
 A run that cannot go on (a refused config value, an unreadable file, a failed checkpoint, a
 diverged loss, a workdir another run holds) ends with one line `error: <message>` on stderr and
@@ -59,23 +59,11 @@ def is_fine_tuning(config: ConfigDict) -> bool:
     return "task" in config
 
 
-def set_up_process(config: ConfigDict) -> bool:
-    """Before JAX starts: a fine-tuning run keeps the memory XLA frees after a step for the
-    next (`process_setup.keep_freed_host_memory`, a CPU-only host); returns whether it does.
-    Pretraining is left under glibc's defaults: there the setting made the step slower
-    although it saved 70% of its page faults (ALBERT-base, 8 x 128, 2-core Xeon: 1.05x, the
-    median of 13 pairs of processes run alternately with and without it, slower in 11), while
-    it made the base fine-tuning step 1.03x faster (the median of 6 such pairs, faster in 5).
-    A host with libtpu (the `[tpu]` extra, for `albert_jax.plan`) but no TPU chip runs on the
-    CPU without trying a TPU backend first (`process_setup.skip_absent_tpu`)."""
-    process_setup.skip_absent_tpu()
-    return is_fine_tuning(config) and process_setup.keep_freed_host_memory()
-
-
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    host_memory_kept = set_up_process(FLAGS.config)  # before JAX starts its backend
+    # Before JAX starts its backend.
+    host_memory_kept = process_setup.set_up_process(is_fine_tuning(FLAGS.config))
     initialize_distributed()  # TensorFlow: kept off the accelerators where it is first used
     import jax
 
