@@ -26,61 +26,26 @@ convert):
   pretrained       `load_pretrained` (any layout) and `save_model_dir`
   unshare          `unshare` / `reshare` of the encoder's layers (pretrained <- unshare)
 
-Their public functions are re-exported here under the names this module has always had.
-Missing or mis-shaped tensors raise one `ValueError` listing all of them; extra tensors are
-logged (warning, logger "albert_jax.convert") with their names; optimizer slots and
-`global_step` are logged as ignored. Absent heads (pooler, MLM, SOP) are left out and
-initialized by `load_pretrained`.
+Import their functions from them: this module is the CLI only. Missing or mis-shaped tensors
+raise one `ValueError` listing all of them; extra tensors are logged (warning, logger
+"albert_jax.convert") with their names; optimizer slots and `global_step` are logged as
+ignored. Absent heads (pooler, MLM, SOP) are left out and initialized by `load_pretrained`.
 """
 
 from __future__ import annotations
 
 from albert_jax import files
-from albert_jax.hf_checkpoint import (
-    hf_state_dict_to_params,
-    load_hf_checkpoint,
-    load_hf_state_dict,
-    params_to_hf_state_dict,
-    save_hf_checkpoint,
-    to_hf_config,
-)
+from albert_jax.hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from albert_jax.pretrained import (
     find_spm_model,
     load_pretrained,
     load_tf_checkpoint,
-    load_tf_dir,
     save_model_dir,
 )
-from albert_jax.tf1_checkpoint import find_tf_checkpoint, tf_checkpoint_to_params
-from albert_jax.unshare import convert_sharing, reshare, unshare
-from albert_jax.weight_names import (
-    OPTIONAL_PARTS,
-    flatten_params,
-    missing_parts,
-    unflatten_params,
-)
+from albert_jax.unshare import convert_sharing
+from albert_jax.weight_names import flatten_params, missing_parts
 
-__all__ = [
-    "OPTIONAL_PARTS",
-    "hf_state_dict_to_params",
-    "params_to_hf_state_dict",
-    "to_hf_config",
-    "load_hf_state_dict",
-    "load_hf_checkpoint",
-    "save_hf_checkpoint",
-    "tf_checkpoint_to_params",
-    "find_tf_checkpoint",
-    "find_spm_model",
-    "load_tf_checkpoint",
-    "load_tf_dir",
-    "missing_parts",
-    "flatten_params",
-    "unflatten_params",
-    "unshare",
-    "reshare",
-    "convert_sharing",
-    "main",
-]
+__all__ = ["check_destination", "main"]
 
 
 # ---------------------------------------------------------------------------------------- CLI

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from albert_jax.config import ModelConfig
-from albert_jax.model import AlbertModel, Dense, LayerNorm
+from albert_jax.layers import Dense, LayerNorm
+from albert_jax.model import AlbertModel
 
 __all__ = [
     "HEAD_NAMES",

@@ -37,12 +37,6 @@ from albert_jax.layers import (
 )
 
 __all__ = [
-    "ModelConfig",
-    "Dense",
-    "LayerNorm",
-    "FactorizedEmbedding",
-    "SelfAttention",
-    "FeedForward",
     "AlbertLayer",
     "AlbertGroup",
     "SharedEncoder",
@@ -50,7 +44,7 @@ __all__ = [
     "MaskedLMHead",
     "SentenceOrderHead",
     "AlbertForPreTraining",
-    "activation",
+    "init_params",
 ]
 
 Array = jax.Array

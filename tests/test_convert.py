@@ -24,10 +24,19 @@ import transformers  # noqa: E402
 from gcs import assert_local_unchanged  # noqa: E402
 from safetensors.numpy import load, load_file  # noqa: E402
 
-from albert_jax import convert  # noqa: E402
 from albert_jax.config import ModelConfig  # noqa: E402
+from albert_jax.hf_checkpoint import (  # noqa: E402
+    hf_state_dict_to_params,
+    load_hf_checkpoint,
+    load_hf_state_dict,
+    params_to_hf_state_dict,
+    save_hf_checkpoint,
+    to_hf_config,
+)
 from albert_jax.model import AlbertForPreTraining, init_params  # noqa: E402
-from albert_jax.pretrained import load_pretrained, save_model_dir  # noqa: E402
+from albert_jax.pretrained import load_pretrained, load_tf_checkpoint, save_model_dir  # noqa: E402
+from albert_jax.tf1_checkpoint import tf_checkpoint_to_params  # noqa: E402
+from albert_jax.weight_names import missing_parts  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-4  # fp32 parity bound (absolute)
@@ -169,13 +178,13 @@ def test_hf_parity(name, safetensors, tmp_path):
     if safetensors:
         # HF -> ours -> HF gives back exactly the saved tensors.
         saved = load_file(str(tmp_path / "model.safetensors"))
-        back = convert.params_to_hf_state_dict(loaded.params, loaded.config)
+        back = params_to_hf_state_dict(loaded.params, loaded.config)
         assert sorted(back) == sorted(saved)
         for key in saved:
             np.testing.assert_array_equal(back[key], saved[key], err_msg=key)
     if name == "groups":
         # With the tied copies the export also loads strictly into a fresh PyTorch model.
-        tied = convert.params_to_hf_state_dict(loaded.params, loaded.config, tied_duplicates=True)
+        tied = params_to_hf_state_dict(loaded.params, loaded.config, tied_duplicates=True)
         fresh = transformers.AlbertForPreTraining(hf.config).eval()
         fresh.load_state_dict({k: torch.tensor(v) for k, v in tied.items()}, strict=True)
         assert_parity(jax_outputs(loaded.config, loaded.params, batch), hf_outputs(fresh, batch))
@@ -190,8 +199,8 @@ def test_hf_state_dict_prefix_heads_and_extras(caplog):
     state["classifier.weight"] = np.zeros((3, 32), np.float32)
     config = ModelConfig.from_dict({**cfg, "always_project_embeddings": True})
     with caplog.at_level(logging.WARNING, logger="albert_jax.convert"):
-        params = convert.hf_state_dict_to_params(state, config)
-    assert convert.missing_parts(params) == ["predictions", "sop_classifier"]
+        params = hf_state_dict_to_params(state, config)
+    assert missing_parts(params) == ["predictions", "sop_classifier"]
     assert "classifier.weight" in caplog.text and "'predictions', 'sop_classifier'" in caplog.text
     np.testing.assert_array_equal(
         params["params"]["albert"]["encoder"]["group_0"]["inner_group_0"]["attention"]["query"][
@@ -209,13 +218,13 @@ def test_hf_sharded_bfloat16_checkpoint(tmp_path):
     hf.save_pretrained(tmp_path, max_shard_size="20KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
-    state = convert.load_hf_state_dict(str(tmp_path))
+    state = load_hf_state_dict(str(tmp_path))
     reference = hf.state_dict()
     assert set(state) == set(reference) - {"predictions.decoder.weight", "predictions.decoder.bias"}
     for key, value in state.items():
         assert value.dtype.name == "bfloat16", key
         np.testing.assert_array_equal(value.astype(np.float32), reference[key].float().numpy())
-    config, params = convert.load_hf_checkpoint(str(tmp_path))
+    config, params = load_hf_checkpoint(str(tmp_path))
     assert config.param_dtype == "float32" and config.dtype == "float32"
     word = params["params"]["albert"]["embeddings"]["word_embeddings"]
     assert word.dtype == np.float32
@@ -233,20 +242,20 @@ def test_hf_errors_list_every_problem():
     state[bad_shape] = state[bad_shape][:, :-1]
     del state[gone]
     with pytest.raises(ValueError) as err:
-        convert.hf_state_dict_to_params(state, config)
+        hf_state_dict_to_params(state, config)
     assert bad_shape in str(err.value) and gone in str(err.value)
     assert "(48, 31)" in str(err.value)
 
     # HF has the projection even for E == H; an official-style config cannot take it.
     with pytest.raises(ValueError, match="always_project_embeddings"):
-        convert.hf_state_dict_to_params(
+        hf_state_dict_to_params(
             state, config.replace(embedding_size=32, always_project_embeddings=False)
         )
     # Only the all-shared layout has an HF / TF equivalent.
     with pytest.raises(ValueError, match="sharing='ffn'"):
-        convert.params_to_hf_state_dict({}, config.replace(sharing="ffn"))
+        params_to_hf_state_dict({}, config.replace(sharing="ffn"))
     with pytest.raises(ValueError, match="sharing"):
-        convert.hf_state_dict_to_params(state, config.replace(sharing="none"))
+        hf_state_dict_to_params(state, config.replace(sharing="none"))
 
 
 # ------------------------------------------------------------------------- albert_jax -> HF
@@ -260,7 +269,7 @@ def test_ours_to_hf_round_trip(official_e_eq_h, tmp_path):
         config = ModelConfig.from_dict(HF_CONFIGS["groups"])
     params = random_params(config, seed=1)
 
-    convert.save_hf_checkpoint(params, config, str(tmp_path))
+    save_hf_checkpoint(params, config, str(tmp_path))
     with open(tmp_path / "config.json") as f:
         hf_json = json.load(f)
     assert hf_json["model_type"] == "albert"
@@ -409,7 +418,7 @@ def test_tf1_missing_and_misshaped(tmp_path):
     write_tf1_checkpoint(str(tmp_path / "model.ckpt"), values, 1, True)
     config = ModelConfig.from_dict(sizes)
     with pytest.raises(ValueError) as err:
-        convert.tf_checkpoint_to_params(str(tmp_path / "model.ckpt-1"), config)
+        tf_checkpoint_to_params(str(tmp_path / "model.ckpt-1"), config)
     assert gone in str(err.value) and bad in str(err.value)
 
 
@@ -467,11 +476,11 @@ def test_missing_sources_are_named(tmp_path):
     """Every reader of a foreign checkpoint, and the CLI, name a missing source."""
     missing = str(tmp_path / "nowhere")
     config = ModelConfig.from_dict(HF_CONFIGS["shared"])
-    for read in (convert.load_hf_checkpoint, convert.load_hf_state_dict, convert.load_tf_dir):
+    for read in (load_hf_checkpoint, load_hf_state_dict, load_tf_checkpoint):
         with pytest.raises(ValueError, match=re.escape(missing) + r".* does not exist"):
             read(missing)
     with pytest.raises(ValueError, match=re.escape(f"{missing}/model.ckpt-1.index does not")):
-        convert.tf_checkpoint_to_params(f"{missing}/model.ckpt-1", config)
+        tf_checkpoint_to_params(f"{missing}/model.ckpt-1", config)
     dst = tmp_path / "out"
     done = run_cli("--from=tf", f"--src={missing}", f"--dst={dst}")
     assert done.returncode != 0 and f"error: official TF1 checkpoint: {missing}" in done.stderr
@@ -484,8 +493,8 @@ def test_cli_to_hf_and_back_on_gcs(gcs, tmp_path, monkeypatch):
     the same params; nothing is written to the local working directory."""
     hf = random_hf_model(HF_CONFIGS["shared"], seed=11)
     hf.save_pretrained(tmp_path / "hf")
-    config, params = convert.load_hf_checkpoint(str(tmp_path / "hf"))
-    convert.save_hf_checkpoint(params, config, str(tmp_path / "hf_local"))
+    config, params = load_hf_checkpoint(str(tmp_path / "hf"))
+    save_hf_checkpoint(params, config, str(tmp_path / "hf_local"))
     ours, hf_dir, back = (gcs.url(f"test_convert/{name}") for name in ("ours", "hf", "back"))
     save_model_dir(ours, params, config)
     cwd = tmp_path / "cwd"
@@ -499,7 +508,7 @@ def test_cli_to_hf_and_back_on_gcs(gcs, tmp_path, monkeypatch):
     assert sorted(got) == sorted(want)
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
-    assert json.loads(gcs.read("test_convert/hf/config.json")) == convert.to_hf_config(config)
+    assert json.loads(gcs.read("test_convert/hf/config.json")) == to_hf_config(config)
 
     done = run_cli("--from=hf", f"--src={hf_dir}", f"--dst={back}", cwd=str(cwd))
     assert done.returncode == 0, done.stderr[-2000:]

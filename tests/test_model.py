@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from albert_jax.config import ModelConfig
-from albert_jax.model import AlbertForPreTraining, AlbertModel, Dense, init_params
+from albert_jax.layers import Dense
+from albert_jax.model import AlbertForPreTraining, AlbertModel, init_params
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
 
 TINY = dict(

@@ -21,7 +21,6 @@ from jax.sharding import PartitionSpec as P
 
 from albert_jax import checkpointing, files
 from albert_jax.config import ModelConfig
-from albert_jax.convert import flatten_params
 from albert_jax.data.tokenizer import Tokenizer, train_tokenizer
 from albert_jax.model import AlbertForPreTraining, init_params
 from albert_jax.pretrained import (
@@ -32,6 +31,7 @@ from albert_jax.pretrained import (
     load_tf_checkpoint,
     save_model_dir,
 )
+from albert_jax.weight_names import flatten_params
 
 CONFIG = ModelConfig(
     vocab_size=120,
