@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The accelerator measurements (README "On an accelerator") for a GPU machine lent for minutes:
+# The accelerator measurements (docs/benchmarks.md) for a GPU machine lent for minutes:
 # each benchmark run has its own time limit (LIMIT seconds, cut to what is left of DEADLINE
 # seconds from the start), so one that hangs or runs out of memory costs its slot only, and
 # every result lands in $OUT as it comes: $OUT/results.jsonl (a line a run: name, exit status,

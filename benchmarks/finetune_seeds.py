@@ -73,7 +73,7 @@ def make_config(args: argparse.Namespace, tokenizer: str, num_seeds: int, seed: 
     c.data.tokenizer, c.data.max_eval_examples = tokenizer, args.eval_examples
     c.max_seq_length, c.batch_size, c.num_train_steps = 128, 32, args.steps
     c.log_every_steps = max(args.steps, 1)
-    c.pack_examples = True  # one layout for both programs, as the README's figures were taken
+    c.pack_examples = True  # one layout for both programs, as in docs/benchmarks.md
     return c
 
 

@@ -401,7 +401,7 @@ def test_short_run_learns(corpus, tmp_path):
     """A shortened run, tokenizer trained on first use. In 120 steps a model learns the token
     distribution (eval MLM loss far below uniform, the most frequent token found) but not yet
     context: the 3x-most-frequent-token criterion needs the full demo run (7000 steps at seq 32,
-    about 9 CPU-minutes, longer than this CI budget: 3.4x, numbers in the README)."""
+    about 9 CPU-minutes, longer than this CI budget: 3.4x, numbers in docs/pretraining.md)."""
     overrides = small_overrides(
         corpus,
         **{
