@@ -58,6 +58,7 @@ from albert_jax.finetune_config import (
     validate_config,
 )
 from albert_jax.loop import Loop
+from albert_jax.run_config import mesh_layout
 from albert_jax.sharding import create_mesh, fetch, process_rows
 from albert_jax.task_model import TaskModel
 from albert_jax.tasks import packing, registry
@@ -70,7 +71,6 @@ from albert_jax.tasks.batching import (
 from albert_jax.tasks.kinds import get_kind
 from albert_jax.tasks.local import ReadStats
 from albert_jax.tasks.registry import TaskSpec
-from albert_jax.train_config import mesh_layout
 
 __all__ = [
     "finetune_and_evaluate",

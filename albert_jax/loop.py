@@ -49,8 +49,8 @@ from albert_jax import (
     resume,
     trees,
 )
+from albert_jax.run_config import config_field, write_run_config
 from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, put_batch
-from albert_jax.train_config import config_field, write_run_config
 from albert_jax.train_state import TrainState, create_state, jit_step
 
 PyTree = Any

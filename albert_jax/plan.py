@@ -37,8 +37,8 @@ import jax
 
 from albert_jax import flops as flops_lib
 from albert_jax import hlo_collectives, tpu_slices, train_state
+from albert_jax.run_config import with_fields
 from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, shard_bytes, slice_mesh
-from albert_jax.train_config import with_fields
 
 GiB = 2**30
 # Least recomputation first: what `--max_batch` and the docs table walk through.
@@ -92,9 +92,9 @@ def _fine_tuning(config: Any, target: Target) -> tuple[Any, Any, dict[str, Any],
     seed at `max_seq_length`, the schedule over `num_train_steps`."""
     from albert_jax import finetune_config
     from albert_jax.config import ModelConfig
+    from albert_jax.run_config import mesh_layout
     from albert_jax.task_model import TaskModel
     from albert_jax.tasks.kinds import get_kind
-    from albert_jax.train_config import mesh_layout
 
     task = finetune_config.validate_config(config)
     model_config = finetune_config.model_config(

@@ -46,8 +46,9 @@ from albert_jax.resume import (
     resolve_num_shards,
     saved_num_shards,
 )
+from albert_jax.run_config import config_field
 from albert_jax.sharding import create_mesh
-from albert_jax.train_config import config_field, validate_config
+from albert_jax.train_config import validate_config
 from albert_jax.train_state import TrainState
 from albert_jax.train_step import (
     PretrainingModel,

@@ -12,13 +12,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from absl import logging
 
-from albert_jax import files, line_reading, optim, sharding
+from albert_jax import line_reading, optim
 from albert_jax.config import ModelConfig, model_config_from
-
-PyTree = Any
+from albert_jax.run_config import config_field, mesh_layout
 
 # Every field the loop reads; anything else in a config is a typo (see `validate_config`).
 KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
@@ -44,30 +42,6 @@ KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
     ),
 }  # fmt: skip
 OBJECTIVES = ("sop", "nsp", "none")
-RUN_CONFIG_FILE = "config.json"
-
-
-def config_field(config: Any, dotted: str, default: Any = None) -> Any:
-    node = config
-    for part in dotted.split("."):
-        try:
-            node = node[part]
-        except (KeyError, TypeError, AttributeError):
-            return default
-    return default if node is None else node
-
-
-def with_fields(config: Any, **fields: Any) -> Any:
-    """A copy of `config` with dotted fields set (`**{"model.remat_policy": "full"}`)."""
-    config = config.copy_and_resolve_references()
-    with config.unlocked():
-        for dotted, value in fields.items():
-            node = config
-            *parents, last = dotted.split(".")
-            for part in parents:
-                node = node[part]
-            node[last] = value
-    return config
 
 
 def _keys(node: Any) -> list[str]:
@@ -173,83 +147,3 @@ def validate_config(
             "sentence-order task trains"
         )
     return RunLayout(model_config, mesh_shape, devices)
-
-
-def mesh_layout(
-    config: Any,
-    model_config: ModelConfig | None = None,
-    devices: Sequence[Any] | None = None,
-) -> tuple[tuple[int, int, int], tuple[Any, ...]]:
-    """(mesh shape, devices) of `config.mesh` over `devices` (default: every device of the
-    job): the explicit (data, fsdp, tensor) sizes, or with `config.mesh.auto` the layout
-    `sharding.choose_mesh_shape` picks for `model_config` and the batch (logged).
-
-    Raises:
-      ValueError: naming `config.mesh` and the device count when the shape does not cover
-        every device (a smaller mesh would leave devices idle while the log and MFU count
-        them all), or a parameter dimension and mesh axis that do not divide.
-    """
-    devices = tuple(jax.devices() if devices is None else devices)
-    if config_field(config, "mesh.auto", False):
-        if model_config is None:
-            raise ValueError("config.mesh.auto=True needs the model config to choose a layout")
-        params = model_param_axes(model_config)
-        resolved, why = sharding.choose_mesh_shape(
-            params,
-            len(devices),
-            int(config.batch_size) // int(config_field(config, "microbatches", 1)),
-            state_bytes_per_param=4 * jnp.dtype(model_config.param_dtype).itemsize,
-            hbm_bytes=device_hbm_bytes(devices[0]),
-        )
-        logging.info("%s", why)
-        return resolved, devices
-    shape = tuple(
-        int(config_field(config, f"mesh.{axis}", 1)) for axis in ("data", "fsdp", "tensor")
-    )
-    try:
-        resolved = sharding.resolve_mesh_shape(shape, len(devices))
-    except ValueError as e:
-        raise ValueError(
-            f"config.mesh (data, fsdp, tensor)={shape} does not fit the {len(devices)} devices "
-            f"of this job ({e}); every device must be in the mesh: set one axis to -1 to fill "
-            "it, e.g. --config.mesh.data=-1, or --config.mesh.auto=True"
-        ) from None
-    if model_config is not None:
-        problems = sharding.unshardable(model_param_axes(model_config), resolved)
-        if problems:
-            raise ValueError(
-                f"config.mesh (data, fsdp, tensor)={resolved} cannot shard the model: "
-                f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1
-                                    else "") + "; choose sizes that divide it or set "
-                "--config.mesh.auto=True"
-            )  # fmt: skip
-    return resolved, devices  # type: ignore[return-value]
-
-
-def model_param_axes(model_config: ModelConfig) -> sharding.ParamAxes:
-    """(shape, logical axes) of every parameter of the pretraining model (abstract: nothing
-    is allocated); what mesh layouts are checked against."""
-    from albert_jax.model import AlbertForPreTraining, init_params
-
-    model = AlbertForPreTraining(model_config)
-    boxed = jax.eval_shape(lambda: init_params(model, jax.random.key(0))["params"])
-    return sharding.param_axes(boxed)
-
-
-def device_hbm_bytes(device: Any) -> float | None:
-    """Memory one accelerator device may use (its runtime's `bytes_limit`); None on a CPU or
-    where the runtime does not say."""
-    if device.platform == "cpu":
-        return None
-    try:
-        stats = device.memory_stats()
-    except Exception:  # compile-only devices and some runtimes have none
-        return None
-    return float(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
-
-
-def write_run_config(config: Any, workdir: str) -> None:
-    """WORKDIR/config.json: the run's whole config (process 0; local or gs://)."""
-    if jax.process_index() == 0:
-        text = config.to_json_best_effort(indent=2, sort_keys=True) + "\n"
-        files.write_atomic(files.as_path(workdir) / RUN_CONFIG_FILE, text)

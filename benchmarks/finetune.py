@@ -86,9 +86,9 @@ from albert_jax import process_setup  # noqa: E402
 from albert_jax.finetune import FineTuning  # noqa: E402
 from albert_jax.finetune_config import optimizer_config, validate_config  # noqa: E402
 from albert_jax.hf_checkpoint import to_hf_config  # noqa: E402
+from albert_jax.run_config import mesh_layout  # noqa: E402
 from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, create_mesh, put_batch  # noqa: E402
 from albert_jax.tasks.batching import train_batch, trim_to_bucket  # noqa: E402
-from albert_jax.train_config import mesh_layout  # noqa: E402
 from albert_jax.train_state import create_state, make_step  # noqa: E402
 from benchmarks.train_step import paired_ratio, time_interleaved  # noqa: E402
 from configs import finetune as finetune_configs  # noqa: E402

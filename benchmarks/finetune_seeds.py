@@ -50,13 +50,13 @@ from absl import logging  # noqa: E402
 from albert_jax import finetune, seeds  # noqa: E402
 from albert_jax.finetune import FineTuning  # noqa: E402
 from albert_jax.finetune_config import validate_config  # noqa: E402
+from albert_jax.run_config import mesh_layout  # noqa: E402
 from albert_jax.sharding import (  # noqa: E402
     LOGICAL_AXIS_RULES,
     batch_sharding,
     create_mesh,
     put_batch,
 )
-from albert_jax.train_config import mesh_layout  # noqa: E402
 from albert_jax.train_state import create_state, make_step  # noqa: E402
 from configs import finetune as finetune_configs  # noqa: E402
 from configs import pretrain  # noqa: E402

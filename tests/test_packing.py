@@ -143,8 +143,8 @@ def _objective(config, workdir):
     import flax.linen as nn
 
     from albert_jax.finetune import FineTuning, validate_config
+    from albert_jax.run_config import mesh_layout
     from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
-    from albert_jax.train_config import mesh_layout
 
     mesh = create_mesh(*mesh_layout(config))
     with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("libtpu", reason="the TPU compiler: pip install -e '.[tpu]'")
 
 from albert_jax import hlo_collectives, layers, plan, sharding, tpu_slices  # noqa: E402
-from albert_jax.train_config import model_param_axes, with_fields  # noqa: E402
+from albert_jax.run_config import model_param_axes, with_fields  # noqa: E402
 from configs import finetune as finetune_configs  # noqa: E402
 from configs import pretrain  # noqa: E402
 

@@ -21,7 +21,7 @@ import pytest
 from conftest import main_command
 
 from albert_jax import checkpointing, metrics_writer, train
-from albert_jax.train_config import with_fields
+from albert_jax.run_config import with_fields
 from configs import pretrain
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

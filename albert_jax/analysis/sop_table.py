@@ -33,7 +33,7 @@ from typing import Any
 from absl import app, flags, logging
 
 from albert_jax import cli, files
-from albert_jax.train_config import RUN_CONFIG_FILE
+from albert_jax.run_config import RUN_CONFIG_FILE
 
 TASKS = ("nsp", "sop")  # the evaluation columns, as objectives of the data pipeline
 OBJECTIVE_ROWS = ("none", "nsp", "sop")  # what the sweep trains, in the paper's row order
