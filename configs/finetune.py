@@ -24,7 +24,7 @@ from __future__ import annotations
 import ml_collections
 
 from albert_jax import line_reading
-from configs.common import parse_arg
+from configs.common import add_loop, add_mesh, add_optimizer, parse_arg
 
 # name: (learning_rate, batch_size, num_train_steps, warmup_steps, max_seq_length, dropout);
 # dropout is ALBERT's hidden / attention dropout (the classifier's is 0.1 regardless).
@@ -116,52 +116,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.end_n_top = 5  # SQuAD v2 beam: best ends per start
     c.null_threshold = 0.5  # SQuAD v2: answer "" when P(no answer) exceeds this
 
-    # --- optimization (official AdamW, optimization.py)
-    c.optimizer = "adamw"  # adamw (fine-tuning) | lamb
-    c.learning_rate = 1e-5  # peak learning rate
+    # --- optimization (official AdamW, optimization.py): linear warmup, then linear decay
+    add_optimizer(c, "adamw", learning_rate=1e-5, warmup_steps=100, num_train_steps=1000)
+    c.num_train_epochs = 0.0  # > 0: num_train_steps = epochs * training features / batch_size
+    c.warmup_fraction = 0.0  # > 0: warmup_steps = fraction * num_train_steps
     c.batch_size = 32  # global batch (examples per step)
     c.eval_batch_size = 32  # global evaluation batch (padded; any size divisible by devices)
-    c.num_train_steps = 1000  # total updates (overridden by num_train_epochs > 0)
-    c.num_train_epochs = 0.0  # > 0: steps = epochs * training features / batch_size
-    c.warmup_steps = 100  # linear warmup (overridden by warmup_fraction > 0)
-    c.warmup_fraction = 0.0  # > 0: warmup = fraction * num_train_steps
-    c.lr_poly_power = 1.0  # decay power after warmup (1 = linear to 0)
-    c.weight_decay = 0.01  # decoupled decay, not on LayerNorm / bias
-    c.grad_clip_norm = 1.0  # global-norm clipping (official)
-    c.b1 = 0.9  # Adam beta1
-    c.b2 = 0.999  # Adam beta2
-    c.eps = 1e-6  # Adam epsilon (official)
 
-    # --- mesh: (data, fsdp, tensor); -1 fills with the remaining devices
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1  # data-parallel replicas
-    c.mesh.fsdp = 1  # parameter/optimizer sharding
-    c.mesh.tensor = 1  # tensor parallel (heads, mlp, vocab)
-    # True: data / fsdp / tensor chosen for the devices and the model (the least model
-    # parallelism that divides every sharded dimension and leaves HBM for activations; logged)
-    c.mesh.auto = False
-    # Groups joined by the slower network, data parallel across them (fsdp / tensor inside
-    # one): 0 = the TPU slices of a multi-slice job (1 elsewhere); N = N slices, or on CPU /
-    # GPU hosts N processes, one group each.
-    c.mesh.slices = 0
+    # --- mesh: (data, fsdp, tensor); data parallel over every device
+    add_mesh(c)
 
     # --- loop
-    c.seed = 0  # head init, dropout and data order
+    add_loop(
+        c, log_every_steps=50, eval_every_steps=0, checkpoint_every_steps=0, keep_checkpoints=1
+    )
     c.num_seeds = 1  # N > 1: seeds seed..seed+N-1 as one program; eval_results has median etc.
     c.restart_failed_seeds = False  # re-run seeds that diverged / ended at chance, fresh seeds
-    c.log_every_steps = 50  # metrics.jsonl cadence
-    c.eval_every_steps = 0  # evaluate every N steps too (0: only at the end)
-    c.checkpoint_every_steps = 0  # save every N steps too (0: only at the end)
-    c.keep_checkpoints = 1  # checkpoints kept
-    c.resume_strict = False  # an unreadable latest checkpoint stops the run (else: the one before)
-    # JAX's persistent compilation cache (albert_jax.compile_cache): "" = WORKDIR/compilation_cache
-    # (or $JAX_COMPILATION_CACHE_DIR), a path (local or gs://), or "none". A restart reads its
-    # compiled programs from there instead of compiling again.
-    c.compilation_cache_dir = ""
-
-    # --- debugging hooks (0 = off); the tests use them to exercise preemption and resume
-    c.debug = ml_collections.ConfigDict()
-    c.debug.sigterm_after_step = 0  # process 0 sends itself SIGTERM after this step
 
     if task in GLUE_PRESETS or task in LOCAL_PRESETS:
         lr, batch, steps, warmup, length, dropout = {**GLUE_PRESETS, **LOCAL_PRESETS}[task]

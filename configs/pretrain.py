@@ -22,7 +22,7 @@ import ml_collections
 
 from albert_jax import line_reading
 from albert_jax.config import ModelConfig
-from configs.common import parse_arg
+from configs.common import add_loop, add_mesh, add_optimizer, parse_arg
 
 SIZES = ("tiny", "base", "large", "xlarge", "xxlarge")
 
@@ -109,17 +109,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.max_predictions_per_seq = 5 if tiny else 20
     c.microbatches = 1  # gradient accumulation: 4096 sequences on any mesh
 
-    # --- optimization (LAMB as the official lamb_optimizer.py)
-    c.optimizer = "lamb"  # lamb (pretraining) | adamw
-    c.learning_rate = 0.01 if tiny else 0.00176  # peak LR
-    c.warmup_steps = 50 if tiny else 3125  # linear warmup
-    c.num_train_steps = 7000 if tiny else 125_000  # total steps; linear decay to 0
-    c.lr_poly_power = 1.0  # polynomial decay power (1 = linear)
-    c.weight_decay = 0.01  # decoupled decay, not on LayerNorm / bias
-    c.grad_clip_norm = 1.0  # global-norm clipping before the optimizer
-    c.b1 = 0.9  # LAMB beta1
-    c.b2 = 0.999  # LAMB beta2
-    c.eps = 1e-6  # LAMB epsilon
+    # --- optimization (LAMB as the official lamb_optimizer.py): linear warmup, then linear
+    # decay to 0 at num_train_steps
+    add_optimizer(
+        c,
+        "lamb",
+        learning_rate=0.01 if tiny else 0.00176,
+        warmup_steps=50 if tiny else 3125,
+        num_train_steps=7000 if tiny else 125_000,
+    )
 
     # --- mesh: (data, fsdp, tensor); -1 fills with the remaining devices. Why per size:
     # tiny..large: data parallel (weights, gradients, LAMB state <= 0.3 GB; one all-reduce a step);
@@ -129,36 +127,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         "tiny": (-1, 1, 1), "base": (-1, 1, 1), "large": (-1, 1, 1), "xlarge": (1, -1, 1),
         "xxlarge": (1, -1, 4),
     }[arg.size]  # fmt: skip
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = data  # data-parallel replicas
-    c.mesh.fsdp = fsdp  # parameter/optimizer sharding (the batch is split over it too)
-    c.mesh.tensor = tensor  # tensor parallel (heads, mlp, vocab)
-    # True: data / fsdp / tensor chosen for the devices and the model (the least model
-    # parallelism that divides every sharded dimension and leaves HBM for activations; logged)
-    c.mesh.auto = False
-    # Groups joined by the slower network, data parallel across them (fsdp / tensor inside
-    # one): 0 = the TPU slices of a multi-slice job (1 elsewhere); N = N slices, or on CPU /
-    # GPU hosts N processes, one group each.
-    c.mesh.slices = 0
+    add_mesh(c, data, fsdp, tensor)
 
     # --- loop
-    c.seed = 0  # params init and data order
-    c.log_every_steps = 50 if tiny else 100  # metrics.jsonl / TensorBoard cadence
-    c.eval_every_steps = 500 if tiny else 5000  # held-out MLM/SOP evaluation
+    add_loop(
+        c,
+        log_every_steps=50 if tiny else 100,
+        eval_every_steps=500 if tiny else 5000,  # held-out MLM / SOP evaluation
+        checkpoint_every_steps=500 if tiny else 5000,
+        keep_checkpoints=3,
+    )
     c.eval_batches = 32 if tiny else 50  # batches per evaluation
-    c.checkpoint_every_steps = 500 if tiny else 5000  # async Orbax saves
-    c.keep_checkpoints = 3  # keep the last k
-    c.resume_strict = False  # an unreadable latest checkpoint stops the run (else: the one before)
-    # JAX's persistent compilation cache (albert_jax.compile_cache): "" = WORKDIR/compilation_cache
-    # (or $JAX_COMPILATION_CACHE_DIR), a path (local or gs://), or "none". A restart reads its
-    # compiled programs from there instead of compiling again.
-    c.compilation_cache_dir = ""
     c.resume_from = ml_collections.FieldReference(None, field_type=str)  # another workdir
     c.init_from = ml_collections.FieldReference(None, field_type=str)  # params only
-
-    # --- debugging hooks (0 = off); the tests use them to exercise preemption and crashes
-    c.debug = ml_collections.ConfigDict()
-    c.debug.sigterm_after_step = 0  # process 0 sends itself SIGTERM after this step
+    # more debugging hooks (0 = off): crashes at a save, divergence
     c.debug.sigkill_after_save_at_step = 0  # SIGKILL right after this step's async save starts
     c.debug.sigkill_after_commit_at_step = 0  # SIGKILL right after this step's save commits
     c.debug.nan_at_step = 0  # this step's batch gets NaN loss weights (divergence handling)
