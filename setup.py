@@ -14,7 +14,10 @@ setup(
     long_description=pathlib.Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["albert_jax", "albert_jax.*"]),
+    # configs/ ships as the top-level package `configs`: the config files import
+    # `configs.common`, and the package reads them by name (glue_table's per-task configs, the
+    # fields a run config may have), from any working directory.
+    packages=find_packages(include=["albert_jax", "albert_jax.*", "configs"]),
     include_package_data=True,
     package_data={"albert_jax": ["data/demo/*"]},
     install_requires=[

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 from absl import app, flags, logging
 
 from albert_jax import cli, files, process_setup
+from configs import finetune as finetune_configs
 
 RESULTS_FILE = "eval_results.json"  # = finetune.EVAL_RESULTS_FILE (not imported: jax-free)
 TABLE_MD = "glue_table.md"
@@ -208,7 +208,7 @@ def task_config(
     Raises:
       ValueError: an unknown field or a bad value in an override, or num_seeds (above).
     """
-    config = _finetune_configs().get_config(f"task={task},init={init}")
+    config = finetune_configs.get_config(f"task={task},init={init}")
     if local_data and task in LOCAL_FILES:
         root = files.as_path(local_data)
         train, dev = LOCAL_FILES[task]
@@ -240,20 +240,6 @@ def _override(config: Any, overrides: Sequence[str]) -> Any:
     )
     values(argv)
     return values.config
-
-
-def _finetune_configs() -> Any:
-    """The `configs.finetune` module. `configs/` is not an installed package: main.py reads it
-    from the working directory (the repo root); elsewhere it is found next to the package."""
-    try:
-        import configs.finetune as module
-    except ModuleNotFoundError:
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        if not os.path.isfile(os.path.join(repo, "configs", "finetune.py")):
-            raise
-        sys.path.append(repo)
-        import configs.finetune as module
-    return module
 
 
 # ------------------------------------------------------------------------------------ running
