@@ -52,7 +52,6 @@ from albert_jax import checkpointing, compile_cache, files, heads, seeds, workdi
 from albert_jax.backbone_init import InitReport, load_checkpoint_weights, merge_pretrained
 from albert_jax.config import ModelConfig
 from albert_jax.finetune_config import (
-    KNOWN_FIELDS,
     check_batch,
     model_config,
     validate_config,
@@ -79,7 +78,6 @@ __all__ = [
     "merge_pretrained",
     "InitReport",
     "EVAL_RESULTS_FILE",
-    "KNOWN_FIELDS",
 ]
 
 PyTree = Any

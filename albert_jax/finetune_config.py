@@ -14,30 +14,17 @@ from jax.sharding import Mesh
 
 from albert_jax import line_reading
 from albert_jax.config import RUNTIME_FIELDS, ModelConfig
+from albert_jax.run_config import check_known_fields
 from albert_jax.tasks import registry
 from albert_jax.tasks.registry import TaskSpec
 
-# Every field the loop reads; anything else in a config is a typo (see `validate_config`).
-KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
-    "": (
-        "task", "init", "size", "model", "classifier_dropout", "data", "max_seq_length",
-        "length_buckets", "pack_examples",
-        "max_qa_length", "max_query_length", "doc_stride", "max_answer_length", "n_best_size",
-        "start_n_top", "end_n_top", "null_threshold", "optimizer", "learning_rate", "batch_size",
-        "eval_batch_size", "num_train_steps", "num_train_epochs", "warmup_steps",
-        "warmup_fraction", "lr_poly_power", "weight_decay", "grad_clip_norm", "b1", "b2", "eps",
-        "mesh", "seed", "num_seeds", "restart_failed_seeds", "log_every_steps",
-        "eval_every_steps", "checkpoint_every_steps", "keep_checkpoints", "resume_strict",
-        "compilation_cache_dir", "debug",
-    ),
-    "data": (
-        "train_files", "eval_files", "data_dir", "train_split", "eval_split", "race_levels",
-        "tokenizer", "allow_other_tokenizer", "max_train_examples", "max_eval_examples",
-        "max_line_bytes", "max_blank_lines",
-    ),
-    "mesh": ("data", "fsdp", "tensor", "auto", "slices"),
-    "debug": ("sigterm_after_step",),
-}  # fmt: skip
+
+def reference_config(task: str) -> Any:
+    """The fields a fine-tuning config may have: those `configs/finetune.py` sets (the same
+    for every task; a task without a preset there, e.g. wnli, is checked against the first)."""
+    from configs import finetune  # here, not at the top: only the checks read the config file
+
+    return finetune.get_config(f"task={task if task in finetune.TASKS else finetune.TASKS[0]}")
 
 
 def _keys(node: Any) -> set[str]:
@@ -47,17 +34,11 @@ def _keys(node: Any) -> set[str]:
 def validate_config(config: Any) -> TaskSpec:
     """Checks a fine-tuning config before anything is read or compiled.
 
-    Raises ValueError naming the field: unknown fields (see KNOWN_FIELDS; configs/finetune.py
-    sets exactly these), an unknown task, bad sizes, non-positive steps or batch sizes.
+    Raises ValueError naming the field: unknown fields (any that configs/finetune.py does not
+    set, `reference_config`), an unknown task, bad sizes, non-positive steps or batch sizes.
     """
     spec = registry.get_task(config.task)
-    for section, known in KNOWN_FIELDS.items():
-        node = config if not section else config[section]
-        unknown = sorted(_keys(node) - set(known))
-        if unknown:
-            where = f"config.{section}." if section else "config."
-            names = [where + k for k in unknown]
-            raise ValueError(f"unknown fields {names}; known: {sorted(known)}")
+    check_known_fields(config, reference_config(config.task))
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(_keys(config.model) - model_fields)
     if unknown:

@@ -1,5 +1,6 @@
 """What every run reads from its config beyond its own checks: dotted fields, copies with fields
-set, the mesh layout (`config.mesh` over the devices), and WORKDIR/config.json.
+set, the fields a config may have, the mesh layout (`config.mesh` over the devices), and
+WORKDIR/config.json.
 
 Pretraining (`train_config`), fine-tuning (`finetune_config`), the loop and `plan` share these.
 """
@@ -41,6 +42,40 @@ def with_fields(config: Any, **fields: Any) -> Any:
                 node = node[part]
             node[last] = value
     return config
+
+
+def check_known_fields(config: Any, reference: Any, skip: Sequence[str] = ("model",)) -> None:
+    """Refuses every field of `config` that `reference` does not have, section by section.
+
+    `reference` is the config its file builds (`configs/pretrain.py`, `configs/finetune.py`):
+    the config files are the list of the fields a run reads, so a field outside it is a typo
+    or a field nothing reads. `lock_config` refuses those on the command line; this check
+    covers configs built or unlocked in code. `skip` names sections checked elsewhere
+    (`model`: against `ModelConfig`'s fields, of which the config files set only some).
+
+    Raises:
+      ValueError: naming the unknown fields (`config.data.tokeniser`) and the known fields of
+        their section.
+    """
+    _check_section(config, reference, "config", {f"config.{name}" for name in skip})
+
+
+def _check_section(node: Any, reference: Any, where: str, skip: set[str]) -> None:
+    names, known = _keys(node), _keys(reference)
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise ValueError(
+            f"unknown field(s) {[f'{where}.{k}' for k in unknown]}; known fields of {where}: "
+            f"{sorted(known)}"
+        )
+    for name in known:
+        section = f"{where}.{name}"
+        if name in names and section not in skip and hasattr(reference[name], "keys"):
+            _check_section(node[name], reference[name], section, skip)
+
+
+def _keys(node: Any) -> list[str]:
+    return list(node.keys()) if hasattr(node, "keys") else []
 
 
 def mesh_layout(

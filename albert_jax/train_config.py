@@ -16,36 +16,17 @@ from absl import logging
 
 from albert_jax import line_reading, optim
 from albert_jax.config import ModelConfig, model_config_from
-from albert_jax.run_config import config_field, mesh_layout
+from albert_jax.run_config import check_known_fields, config_field, mesh_layout
 
-# Every field the loop reads; anything else in a config is a typo (see `validate_config`).
-KNOWN_FIELDS: dict[str, tuple[str, ...]] = {
-    "": (
-        "size", "model", "objective", "data", "batch_size", "seq_len",
-        "max_predictions_per_seq", "microbatches", "optimizer", "learning_rate",
-        "warmup_steps", "num_train_steps", "lr_poly_power", "weight_decay", "grad_clip_norm",
-        "b1", "b2", "eps", "mesh", "seed", "log_every_steps", "eval_every_steps",
-        "eval_batches", "checkpoint_every_steps", "keep_checkpoints", "resume_from",
-        "init_from", "resume_strict", "compilation_cache_dir", "debug",
-    ),
-    "data": (
-        "sources", "data_dir", "cache_dir", "tokenizer", "short_seq_prob", "masked_lm_prob",
-        "max_ngram", "num_workers", "eval_split", "tokenizer_max_sentences",
-        "sop_single_segment", "num_shards", "max_line_bytes", "max_blank_lines",
-    ),
-    "mesh": ("data", "fsdp", "tensor", "auto", "slices"),
-    "debug": (
-        "sigterm_after_step",
-        "sigkill_after_save_at_step",
-        "sigkill_after_commit_at_step",
-        "nan_at_step",
-    ),
-}  # fmt: skip
 OBJECTIVES = ("sop", "nsp", "none")
 
 
-def _keys(node: Any) -> list[str]:
-    return list(node.keys()) if hasattr(node, "keys") else []
+def reference_config() -> Any:
+    """The fields a pretraining config may have: those `configs/pretrain.py` sets (the same
+    for every size and arg)."""
+    from configs import pretrain  # here, not at the top: only the checks read the config file
+
+    return pretrain.get_config()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,17 +50,9 @@ def validate_config(
       over the data-parallel devices, processes and microbatches, a mesh that does not fit the
       devices, bad optimizer or data fields.
     """
-    if "task" in _keys(config):
+    if hasattr(config, "keys") and "task" in config:
         raise ValueError("config has a `task` field: that is a fine-tuning config (finetune.py)")
-    for section, allowed in KNOWN_FIELDS.items():
-        node = config if not section else config_field(config, section, {})
-        unknown = sorted(set(_keys(node)) - set(allowed))
-        if unknown:
-            where = f"config.{section}." if section else "config."
-            raise ValueError(
-                f"unknown field(s) {[where + k for k in unknown]}; known fields of "
-                f"{where.rstrip('.')}: {sorted(allowed)}"
-            )
+    check_known_fields(config, reference_config())
     model_config = model_config_from(config)
     objective = config_field(config, "objective")
     if objective not in OBJECTIVES:
