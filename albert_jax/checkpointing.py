@@ -42,6 +42,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from albert_jax import files, trees
 from albert_jax.config import ModelConfig
+from albert_jax.seeds import seeds_of
 
 CHECKPOINTS_DIR = "checkpoints"
 TOKENIZER_FILE = "tokenizer.model"
@@ -458,11 +459,11 @@ def read_step_dir(
 ) -> tuple[dict[str, Any], PyTree]:
     """(meta, params) of one committed step dir, params as host numpy: the inner params tree
     (what goes under `{"params": ...}`) whichever of the two conventions it was saved in; of a
-    checkpoint of several seeds, the run of `run_seed` (`one_run`).
+    checkpoint of several seeds, the run of `run_seed` (`run_index`).
 
     Raises:
       ValueError: naming `step_dir` when it is not a committed step of a training run, or
-        holds several seeds and `run_seed` is not one of them.
+        holds no run of `run_seed` (see `run_index`).
     """
     directory = files.as_path(step_dir)
     if not is_step_dir(directory):
@@ -472,23 +473,39 @@ def read_step_dir(
     meta = read_json_item(directory / "meta")
     if not isinstance(meta, dict):
         raise ValueError(f"{step_dir}/meta: expected a JSON object, got {type(meta).__name__}")
-    return meta, one_run(meta, _read_params(directory), run_seed, str(step_dir))
+    index = run_index(meta, run_seed, str(step_dir))  # before the arrays: errors come first
+    params = _read_params(directory)
+    if index is None:
+        return meta, params
+    return meta, jax.tree.map(lambda x: x[index], params)  # [N, ...] -> that run's [...]
 
 
-def one_run(meta: dict[str, Any], params: PyTree, run_seed: int | None, where: str) -> PyTree:
-    """The params of seed `run_seed` of a checkpoint of fine-tuning's `num_seeds` > 1 (every
-    array with a leading seed axis, seeds `seed..seed+N-1`); a one-run checkpoint as it is."""
+def run_index(meta: dict[str, Any], run_seed: int | None, where: str) -> int | None:
+    """Where the run of seed `run_seed` lies on the leading seed axis of a checkpoint of
+    fine-tuning's `num_seeds` = N > 1 (every array [N, ...], seeds `seed..seed+N-1` of the run
+    config in its meta); None for a checkpoint of one run, whose arrays have no seed axis.
+
+    Raises:
+      ValueError: naming `where` and the seeds it holds, when it holds several and `run_seed`
+        is None, or when `run_seed` is set and is not the seed of one of its runs.
+    """
     config = meta.get("config")
-    num_seeds = int(config.get("num_seeds", 1)) if isinstance(config, dict) else 1
-    if num_seeds == 1:
-        return params
-    seeds = list(range(int(config["seed"]), int(config["seed"]) + num_seeds))
-    if run_seed not in seeds:
+    seeds = None  # unknown: a step dir whose meta records no run config
+    if isinstance(config, dict) and "seed" in config:
+        seeds = seeds_of(config["seed"], config.get("num_seeds", 1))
+    several = seeds is not None and len(seeds) > 1
+    if run_seed is None and not several:
+        return None
+    pick = "pick one: load_pretrained(path, run_seed=S), or --config.init_run_seed=S to fine-tune"
+    if seeds is None:
         raise ValueError(
-            f"{where} holds the runs of seeds {seeds} (fine-tuning with num_seeds={num_seeds});"
-            f" pick one with run_seed=, e.g. load_pretrained(path, run_seed={seeds[0]})"
+            f"{where} holds no run of seed {run_seed}: its meta records no run config (no "
+            "seeds); leave run_seed (fine-tuning: config.init_run_seed) unset"
         )
-    return jax.tree.map(lambda x: x[seeds.index(run_seed)], params)
+    if run_seed not in seeds:
+        what = f"num_seeds={len(seeds)}" if run_seed is None else f"no run of seed {run_seed}"
+        raise ValueError(f"{where} holds the runs of seeds {seeds} ({what}); {pick}")
+    return seeds.index(run_seed) if several else None
 
 
 def _read_params(step_dir: epath.Path) -> PyTree:

@@ -20,8 +20,11 @@ Layouts (detected in this order; `detect_layout` names them):
 * **official TF1 dir**: `albert_config.json` + `model.ckpt-*` (+ `30k-clean.model`), or a bare
   checkpoint prefix next to an `albert_config.json`.
 
-Parts a checkpoint lacks (pooler, MLM head, SOP head; e.g. an HF `AlbertModel`) are initialized
-from `seed` and listed in `Pretrained.initialized`.
+`read_checkpoint(path)` is the one read of any of them: the weights as stored (`Checkpoint`),
+checked against the checkpoint's ModelConfig; fine-tuning inits take nothing else.
+`load_pretrained` completes that into the pretraining model: parts a checkpoint lacks (pooler,
+MLM head, SOP head; e.g. an HF `AlbertModel`) are initialized from `seed` and listed in
+`Pretrained.initialized`, and weights beyond it (a fine-tuning run's task head) are left out.
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ from albert_jax.weight_names import (
 
 __all__ = [
     "Pretrained",
+    "Checkpoint",
     "load_pretrained",
+    "read_checkpoint",
     "save_model_dir",
     "checkpoint_meta",
     "detect_layout",
@@ -97,6 +102,28 @@ class Pretrained:
     step: int | None = None
     initialized: tuple[str, ...] = ()
     tokenizer_path: str | None = None
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """One read of a checkpoint (`read_checkpoint`), as stored: nothing initialized, nothing
+    dropped.
+
+    `weights` is {"a/b/c": host numpy array} of what goes under variables["params"]: the
+    pretraining model's weights in `AlbertForPreTraining(config)`'s shapes (its `absent` parts,
+    see `weight_names.OPTIONAL_PARTS`, left out) and, of a fine-tuning run, its task head
+    (e.g. `classifier/kernel` [H, num_labels]). Of a checkpoint of several seeds, the arrays of
+    the one run picked, without the leading seed axis.
+    """
+
+    config: ModelConfig
+    weights: dict[str, np.ndarray]
+    source: str  # "albert_jax", "hf" or "tf"
+    path: str
+    step: int | None
+    tokenizer: Any | None  # albert_jax.data.tokenizer.Tokenizer
+    tokenizer_path: str | None
+    absent: tuple[str, ...]  # the OPTIONAL_PARTS it lacks whole (load_pretrained fills them)
 
 
 def save_model_dir(
@@ -244,44 +271,57 @@ def _load_tokenizer(path: str | None) -> Any | None:
 
 
 # ------------------------------------------------------------------------------ completion
-def _complete(
-    params: Mapping[str, Any], config: ModelConfig, seed: int, source: str
-) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """Checks `params` against the model `config` describes; initializes absent optional parts.
-
-    Raises one ValueError listing every missing (required) or mis-shaped parameter.
-    """
+def _expected(config: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
+    """{path: ShapeDtypeStruct} of every weight of `AlbertForPreTraining(config)` (traced, not
+    run: nothing is initialized)."""
     model = AlbertForPreTraining(config)
     seq_len = min(8, config.max_position_embeddings)
     init = lambda rng: nn.meta.unbox(init_params(model, rng, seq_len=seq_len))
-    expected = flatten_params(jax.eval_shape(init, jax.random.key(seed)))
-    flat = flatten_params(params)
-    absent = [
+    return flatten_params(jax.eval_shape(init, jax.random.key(0)))
+
+
+def _check(weights: Mapping[str, Any], expected: Mapping[str, Any], source: str) -> tuple[str, ...]:
+    """The optional parts (`OPTIONAL_PARTS`) that `weights` lacks whole.
+
+    Raises one ValueError listing every other missing or mis-shaped weight of `expected`.
+    Weights beyond `expected` (a fine-tuning run's task head) are no error.
+    """
+    absent = tuple(
         part
         for part in OPTIONAL_PARTS
-        if not any(k.startswith(part + "/") for k in flat)
+        if not any(k.startswith(part + "/") for k in weights)
         and any(k.startswith(part + "/") for k in expected)
-    ]
-    in_absent = lambda k: any(k.startswith(part + "/") for part in absent)
-    missing = [k for k in expected if k not in flat and not in_absent(k)]
+    )
+    in_absent = lambda k: k.startswith(tuple(part + "/" for part in absent))
+    missing = [k for k in expected if k not in weights and not in_absent(k)]
     mismatched = [
-        f"{k}: checkpoint {tuple(flat[k].shape)}, expected {tuple(expected[k].shape)}"
+        f"{k}: checkpoint {tuple(weights[k].shape)}, expected {tuple(expected[k].shape)}"
         for k in expected
-        if k in flat and tuple(flat[k].shape) != tuple(expected[k].shape)
+        if k in weights and tuple(weights[k].shape) != tuple(expected[k].shape)
     ]
     if missing or mismatched:
         raise ValueError(format_problems(f"{source} vs its ModelConfig", missing, mismatched))
-    extra = sorted(set(flat) - set(expected))
+    return absent
+
+
+def _complete(checkpoint: Checkpoint, expected: Mapping[str, Any], seed: int) -> dict[str, Any]:
+    """`{"params": ...}` of exactly the model's weights: the checkpoint's, and its `absent`
+    parts initialized from `seed`; weights the model has no use for are dropped (logged)."""
+    weights, source = checkpoint.weights, f"{checkpoint.source} checkpoint {checkpoint.path}"
+    extra = sorted(set(weights) - set(expected))
     if extra:
         log.warning("%s: %d parameter(s) not used by the model: %s", source, len(extra), extra)
-    out = {k: flat[k] for k in expected if k in flat}
-    if absent:
+    out = {k: weights[k] for k in expected if k in weights}
+    if checkpoint.absent:
         rng = np.random.default_rng(seed)
-        for k in expected:
-            if in_absent(k):
-                out[k] = _initial_value(k, expected[k].shape, expected[k].dtype, config, rng)
-        log.warning("%s: no %s in the checkpoint; initialized them (seed %d)", source, absent, seed)
-    return unflatten_params(out), tuple(absent)
+        for k, v in expected.items():
+            if k not in out:
+                out[k] = _initial_value(k, v.shape, v.dtype, checkpoint.config, rng)
+        log.warning(
+            "%s: no %s in the checkpoint; initialized them (seed %d)",
+            source, list(checkpoint.absent), seed,
+        )  # fmt: skip
+    return unflatten_params(out)
 
 
 def _initial_value(
@@ -307,6 +347,61 @@ def _initial_value(
 
 
 # ------------------------------------------------------------------------------------ entry
+def read_checkpoint(path: str, *, run_seed: int | None = None) -> Checkpoint:
+    """One read of an albert_jax model dir / workdir / step dir, an HF dir or an official TF1
+    dir, local or remote: the weights as stored (see `Checkpoint`), checked against the
+    checkpoint's own ModelConfig. Fine-tuning inits read their checkpoint with this alone.
+
+    `run_seed` picks one run of a fine-tuning checkpoint of several seeds (`config.num_seeds`).
+
+    Raises:
+      ValueError: naming `path` when it does not exist or is no known layout, listing every
+        missing or mis-shaped parameter, or naming the seeds held when `run_seed` is none of
+        them (or is set for a checkpoint of one model without seeded runs).
+    """
+    return _read(path, run_seed)[0]
+
+
+def _read(path: str, run_seed: int | None) -> tuple[Checkpoint, dict[str, Any]]:
+    """(`read_checkpoint`'s Checkpoint, {path: ShapeDtypeStruct} of the pretraining model)."""
+    layout = detect_layout(path)
+    step = None
+    if layout in ("workdir", "step_dir"):
+        step_dir = checkpointing.latest_step_dir(path) if layout == "workdir" else path
+        config, params, step, tokenizer_path = _load_step_dir(step_dir, run_seed)
+        source = "albert_jax"
+    elif run_seed is not None:  # only training checkpoints record the seeds of their runs
+        raise ValueError(
+            f"run_seed={run_seed}: {path!r} ({layout}) holds one model, not the runs of seeds "
+            "of a fine-tuning checkpoint; leave run_seed (fine-tuning: config.init_run_seed) "
+            "unset"
+        )
+    elif layout == "model_dir":
+        config, params, tokenizer_path = _load_model_dir(path)
+        source = "albert_jax"
+    elif layout == "hf":
+        config, params = load_hf_checkpoint(path)
+        tokenizer_path = find_spm_model(path, ("spiece.model", TOKENIZER_FILE))
+        source = "hf"
+    else:  # an official TF1 dir or checkpoint prefix
+        config, params, tokenizer_path = load_tf_checkpoint(path)
+        source = "tf"
+    weights = {k: to_numpy(v) for k, v in flatten_params(params).items()}
+    expected = _expected(config)
+    absent = _check(weights, expected, f"{source} checkpoint {path}")
+    checkpoint = Checkpoint(
+        config=config,
+        weights=weights,
+        source=source,
+        path=path,
+        step=step,
+        tokenizer=_load_tokenizer(tokenizer_path),
+        tokenizer_path=tokenizer_path,
+        absent=absent,
+    )
+    return checkpoint, expected
+
+
 def load_pretrained(
     path: str,
     *,
@@ -316,7 +411,8 @@ def load_pretrained(
     run_seed: int | None = None,
 ) -> Pretrained:
     """Loads an albert_jax model dir / workdir / step dir, an HF dir or an official TF1 dir,
-    local or remote.
+    local or remote: `read_checkpoint`, with the parts the checkpoint lacks initialized and
+    anything beyond the pretraining model (a task head) left out.
 
     `dtype` overrides the compute dtype (`ModelConfig.dtype`, e.g. "bfloat16"); `param_dtype`
     casts the weights (default: as stored; HF / TF weights are read as float32). `seed`
@@ -324,26 +420,13 @@ def load_pretrained(
     of several seeds (`config.num_seeds`).
 
     Raises:
-      ValueError: naming `path` when it does not exist or is no known layout, or listing every
-        missing or mis-shaped parameter.
+      ValueError: naming `path` when it does not exist or is no known layout, listing every
+        missing or mis-shaped parameter, or naming the seeds a checkpoint holds when `run_seed`
+        is none of them.
     """
-    layout = detect_layout(path)
-    step = None
-    if layout == "model_dir":
-        config, params, tokenizer_path = _load_model_dir(path)
-        source = "albert_jax"
-    elif layout in ("workdir", "step_dir"):
-        step_dir = checkpointing.latest_step_dir(path) if layout == "workdir" else path
-        config, params, step, tokenizer_path = _load_step_dir(step_dir, run_seed)
-        source = "albert_jax"
-    elif layout == "hf":
-        config, params = load_hf_checkpoint(path)
-        tokenizer_path = find_spm_model(path, ("spiece.model", TOKENIZER_FILE))
-        source = "hf"
-    else:  # an official TF1 dir or checkpoint prefix
-        config, params, tokenizer_path = load_tf_checkpoint(path)
-        source = "tf"
-    params, initialized = _complete(params, config, seed, f"{source} checkpoint {path}")
+    checkpoint, expected = _read(path, run_seed)
+    params = _complete(checkpoint, expected, seed)
+    config = checkpoint.config
     if param_dtype is not None:
         config = config.replace(param_dtype=param_dtype)  # validates the name
         flat = flatten_params(params)
@@ -355,10 +438,10 @@ def load_pretrained(
         model=AlbertForPreTraining(config),
         params=jax.device_put(params),
         config=config,
-        tokenizer=_load_tokenizer(tokenizer_path),
-        source=source,
+        tokenizer=checkpoint.tokenizer,
+        source=checkpoint.source,
         path=path,
-        step=step,
-        initialized=initialized,
-        tokenizer_path=tokenizer_path,
+        step=checkpoint.step,
+        initialized=checkpoint.absent,
+        tokenizer_path=checkpoint.tokenizer_path,
     )

@@ -210,7 +210,8 @@ def test_layout_is_what_load_pretrained_reads(tmp_path):
 
 
 def test_readers_and_task_head_weights(tmp_path):
-    """The readers that load_pretrained and fine-tuning inits use, and their errors."""
+    """The readers that load_pretrained and fine-tuning inits use, one run of a checkpoint of
+    several seeds, and their errors."""
     workdir = str(tmp_path / "run")
     saved = {
         s: {"albert": _tree(s), "classifier": {"kernel": _tree(s)["bias"][:4]}} for s in (3, 5)
@@ -233,6 +234,25 @@ def test_readers_and_task_head_weights(tmp_path):
             heads["classifier/kernel"], saved[step]["classifier"]["kernel"]
         )
     assert checkpointing.task_head_weights(str(tmp_path)) == {}  # not a checkpoint
+
+    with pytest.raises(ValueError, match="holds no run of seed 1: its meta records no run"):
+        checkpointing.read_step_dir(step_dir, run_seed=1)
+
+    # Seeds 4, 5, 6 in one program: every array [3, ...]; run_seed=5 is the middle one.
+    seeds_dir = str(tmp_path / "seeds")
+    runs = [_tree(s) for s in (4, 5, 6)]
+    with checkpointing.Checkpointer(seeds_dir) as ckpt:
+        ckpt.save(
+            2, params=jax.tree.map(lambda *x: np.stack(x), *runs), opt_state={"count": 2},
+            data={}, meta={"model_config": {}, "step": 2, "config": {"seed": 4, "num_seeds": 3}},
+            force=True,
+        )  # fmt: skip
+    _, params = checkpointing.read_step_dir(checkpointing.latest_step_dir(seeds_dir), run_seed=5)
+    jax.tree.map(np.testing.assert_array_equal, params, runs[1])
+    with pytest.raises(ValueError, match=r"holds the runs of seeds \[4, 5, 6\] \(num_seeds=3\)"):
+        checkpointing.read_step_dir(checkpointing.latest_step_dir(seeds_dir))
+    with pytest.raises(ValueError, match=r"seeds \[4, 5, 6\] \(no run of seed 7\); pick one"):
+        checkpointing.read_step_dir(checkpointing.latest_step_dir(seeds_dir), run_seed=7)
 
     missing = str(tmp_path / "missing")
     with pytest.raises(ValueError, match=re.escape(missing) + " is not a training step dir"):

@@ -29,6 +29,7 @@ from albert_jax.pretrained import (
     detect_layout,
     load_pretrained,
     load_tf_checkpoint,
+    read_checkpoint,
     save_model_dir,
 )
 from albert_jax.weight_names import flatten_params
@@ -93,6 +94,9 @@ def test_model_dir(tmp_path, spm_model):
     assert {str(v.dtype) for v in flatten_params(half.params).values()} == {"bfloat16"}
     with pytest.raises(ValueError, match="ModelConfig.dtype"):
         load_pretrained(str(tmp_path), dtype="float8")
+    # Only training checkpoints hold runs of seeds to pick from.
+    with pytest.raises(ValueError, match=r"run_seed=1: .* \(model_dir\) holds one model"):
+        load_pretrained(str(tmp_path), run_seed=1)
 
 
 def test_model_dir_config_mismatch_lists_all(tmp_path):
@@ -197,6 +201,12 @@ def test_hf_checkpoints_without_heads(tmp_path):
         hf.save_pretrained(hf_dir)
         loaded = load_pretrained(str(hf_dir), seed=3)
         assert loaded.source == "hf" and loaded.initialized == absent
+        # One read as stored (what fine-tuning takes): the absent parts are absent.
+        stored = read_checkpoint(str(hf_dir))
+        assert stored.absent == absent and not any(k.startswith(absent) for k in stored.weights)
+        completed = flatten_params(loaded.params)
+        for name, value in stored.weights.items():
+            np.testing.assert_array_equal(value, completed[name])
         apply = apply or jax.jit(loaded.model.apply)  # same config: compile once
         out = apply(loaded.params, ids, segments, mask)
         seq = np.asarray(out["sequence_output"])
