@@ -40,15 +40,13 @@ from absl import logging
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
-from albert_jax import files, trees
+from albert_jax import files
 from albert_jax.config import ModelConfig
 from albert_jax.seeds import seeds_of
 
 CHECKPOINTS_DIR = "checkpoints"
 TOKENIZER_FILE = "tokenizer.model"
 ITEMS = ("params", "opt_state", "data", "meta")
-# Top-level modules of `AlbertForPreTraining`; anything else in a params tree is a task head.
-PRETRAINING_PARTS = ("albert", "predictions", "sop_classifier")
 
 PyTree = Any
 
@@ -515,22 +513,3 @@ def _read_params(step_dir: epath.Path) -> PyTree:
     if isinstance(params, dict) and set(params) == {"params"}:
         params = params["params"]
     return params
-
-
-def task_head_weights(path: str, run_seed: int | None = None) -> dict[str, np.ndarray]:
-    """The weights outside the pretraining model (`PRETRAINING_PARTS`) in a training workdir
-    (latest committed step) or step dir: another fine-tuning run's task head, as flat
-    {"a/b/c": host array}. Empty for anything else (a model dir, an HF or TF1 dir, a workdir
-    without a committed checkpoint), whose heads are initialized instead."""
-    if (files.as_path(path) / CHECKPOINTS_DIR).is_dir():
-        step = latest_committed_step(path)
-        if step is None:
-            return {}
-        step_dir = files.as_path(checkpoint_dir(path)) / str(step)
-    elif is_step_dir(path):
-        step_dir = files.as_path(path)
-    else:
-        return {}
-    _, params = read_step_dir(step_dir, run_seed)
-    heads = tuple(part + "/" for part in PRETRAINING_PARTS)
-    return {k: v for k, v in trees.flatten(params).items() if not k.startswith(heads)}

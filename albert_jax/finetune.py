@@ -1,8 +1,10 @@
 """Fine-tuning and evaluation: `finetune_and_evaluate(config, workdir)` = the one loop
 (`albert_jax.loop`) + a task kind (`tasks/kinds.py`) + the pretrained init merge + outputs.
 
-  init checkpoint (load_pretrained: ours, HF or TF1) -> backbone params `albert`
-  + a freshly initialized task head (heads.py), sharded on the (data, fsdp, tensor) mesh
+  init checkpoint (one read, `backbone_init.read_init`: ours, HF or TF1; of a checkpoint of
+  several seeds the run of `init_run_seed`) -> backbone params `albert` + the task head
+  (the checkpoint's where it has one of the same shape and `init_dont_load` does not name it,
+  else freshly initialized, heads.py), sharded on the (data, fsdp, tensor) mesh
   -> AdamW with linear warmup / decay (optim.make_optimizer) on fixed-shape batches
   -> evaluation at the end (and every `eval_every_steps`) with the task's official metrics
   -> WORKDIR/eval_results.json, prediction files, an Orbax checkpoint of the fine-tuned params.
@@ -49,14 +51,16 @@ from absl import logging
 from jax.sharding import Mesh
 
 from albert_jax import checkpointing, compile_cache, files, heads, seeds, workdir_lease
-from albert_jax.backbone_init import InitReport, load_checkpoint_weights, merge_pretrained
+from albert_jax.backbone_init import InitReport, merge_pretrained, read_init
 from albert_jax.config import ModelConfig
 from albert_jax.finetune_config import (
     check_batch,
+    dont_load_patterns,
     model_config,
     validate_config,
 )
 from albert_jax.loop import Loop
+from albert_jax.pretrained import Checkpoint
 from albert_jax.run_config import mesh_layout
 from albert_jax.sharding import create_mesh, fetch, process_rows
 from albert_jax.task_model import TaskModel
@@ -114,13 +118,13 @@ class FineTuning(TaskModel):
         self.global_batch = int(config.batch_size) * self.num_seeds
         self.eval_every_steps = int(config.eval_every_steps)
 
-        # --- checkpoint, tokenizer and model config
-        pretrained, self.stored = (None, {}) if not config.init else load_checkpoint_weights(config)
-        self.tokenizer, tokenizer_path = self._tokenizer(pretrained)
+        # --- checkpoint (read once: weights, model config, tokenizer) and model config
+        self.dont_load = dont_load_patterns(config.get("init_dont_load", ""))
+        self.checkpoint = read_init(config)  # None: from scratch
+        self.tokenizer, tokenizer_path = self._tokenizer(self.checkpoint)
         self.model_config = model_config(
-            config, pretrained.config if pretrained else None, self.tokenizer.vocab_size
+            config, self.checkpoint.config if self.checkpoint else None, self.tokenizer.vocab_size
         )
-        self.init_source = (pretrained.source, config.init) if pretrained else ("scratch", "")
         self.model = build_model(spec, self.model_config, config)
         self.lay_on(mesh)
         if jax.process_index() == 0 and tokenizer_path:
@@ -198,7 +202,7 @@ class FineTuning(TaskModel):
         )  # fmt: skip
         return packs
 
-    def _tokenizer(self, pretrained: Any) -> tuple[Any, str | None]:
+    def _tokenizer(self, init: Checkpoint | None) -> tuple[Any, str | None]:
         from albert_jax.data.tokenizer import Tokenizer
 
         path = self.config.data.tokenizer
@@ -206,20 +210,20 @@ class FineTuning(TaskModel):
             if not files.as_path(path).is_file():
                 raise ValueError(f"config.data.tokenizer={path!r} does not exist")
             given = Tokenizer(path)
-            own = pretrained.tokenizer if pretrained is not None else None
+            own = init.tokenizer if init is not None else None
             allowed = bool(self.config.data.get("allow_other_tokenizer", False))
             if own is not None and given.fingerprint != own.fingerprint and not allowed:
                 # Any vocabulary no larger than the checkpoint's loads, so ids of another
                 # tokenizer would silently read unrelated pretrained embeddings.
                 raise ValueError(
                     f"config.data.tokenizer={path!r} is not the tokenizer of the checkpoint "
-                    f"{self.config.init!r} ({pretrained.tokenizer_path}), whose embeddings are "
+                    f"{self.config.init!r} ({init.tokenizer_path}), whose embeddings are "
                     "indexed by its ids: unset config.data.tokenizer to use the checkpoint's, "
                     "or set config.data.allow_other_tokenizer=True if the ids are the same"
                 )
             return given, path
-        if pretrained is not None and pretrained.tokenizer is not None:
-            return pretrained.tokenizer, pretrained.tokenizer_path
+        if init is not None and init.tokenizer is not None:
+            return init.tokenizer, init.tokenizer_path
         raise ValueError(
             f"no tokenizer: the checkpoint {self.config.init!r} has none; set "
             "--config.data.tokenizer=PATH/TO/spm.model"
@@ -237,14 +241,16 @@ class FineTuning(TaskModel):
     def initial_weights(self, abstract: Mapping[str, Any]) -> dict[str, Any]:
         """The checkpoint's weights the task model has (reported: loaded / missing, which the
         loop initializes / unexpected)."""
-        if not self.config.init:
+        if self.checkpoint is None:
             self.report = InitReport("", "scratch", [], sorted(abstract), []).as_dict()
             return {}
         if self.num_seeds > 1:  # every seed starts from the same checkpoint weights
             abstract = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in abstract.items()}
-        merged, loaded, missing, unexpected = merge_pretrained(abstract, self.stored)
-        source, path = self.init_source
-        self.report = InitReport(path, source, loaded, missing, unexpected).as_dict()
+        loaded, missing, unexpected = merge_pretrained(
+            abstract, self.checkpoint.weights, self.dont_load
+        )
+        source, path = self.checkpoint.source, self.config.init
+        self.report = InitReport(path, source, list(loaded), missing, unexpected).as_dict()
         logging.info("init from %s checkpoint %s: %d weights loaded", source, path, len(loaded))
         if missing:
             logging.warning(
@@ -252,7 +258,7 @@ class FineTuning(TaskModel):
             )
         if unexpected:
             logging.warning("%d checkpoint weights unused: %s", len(unexpected), unexpected)
-        return {k: merged[k] for k in loaded}
+        return loaded
 
     # --------------------------------------------------------------------------- data state
     def data_state(self, step: int) -> dict[str, Any]:

@@ -7,6 +7,7 @@ A bad config raises a ValueError naming the field (`config.batch_size=...`).
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jax
@@ -45,6 +46,10 @@ def validate_config(config: Any) -> TaskSpec:
         raise ValueError(
             f"config.model has unknown fields {unknown}; known: {sorted(model_fields)}"
         )
+    for name in ("init_run_seed", "init_dont_load"):
+        if config.get(name) not in (None, "") and not config.init:
+            raise ValueError(f"config.{name}={config[name]!r} needs a config.init to apply to")
+    dont_load_patterns(config.get("init_dont_load", ""))  # each one a regular expression
     if config.init:
         # num_hidden_layers: an all-shared model runs at any depth (checked against the
         # checkpoint's config in `model_config`, once it is read).
@@ -69,6 +74,26 @@ def validate_config(config: Any) -> TaskSpec:
         config.data, "config.data"
     )  # max_line_bytes, max_blank_lines
     return spec
+
+
+def dont_load_patterns(value: str) -> list[re.Pattern]:
+    """`config.init_dont_load`'s comma-separated regular expressions ("classifier/.*,
+    albert/pooler/.*"), each matched against a whole weight path (`merge_pretrained`).
+
+    Raises:
+      ValueError: naming the field and the expression that does not compile.
+    """
+    patterns = []
+    for text in (t.strip() for t in value.split(",")):
+        if not text:
+            continue
+        try:
+            patterns.append(re.compile(text))
+        except re.error as e:
+            raise ValueError(
+                f"config.init_dont_load: {text!r} is no regular expression ({e})"
+            ) from e
+    return patterns
 
 
 def model_config(

@@ -57,6 +57,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.task = task  # what to fine-tune on (see albert_jax.finetune.TASKS)
     c.init = arg.init  # checkpoint (albert_jax / HF / TF1); "" = random init (baseline)
+    # An init of several seeds (a run with num_seeds > 1): the seed of the run to start from.
+    c.init_run_seed = ml_collections.FieldReference(None, field_type=int)
+    # Comma-separated regexes of weight paths initialized fresh though init has them (e.g.
+    # "classifier/.*": a new head on a run fine-tuned with one of the same shape).
+    c.init_dont_load = ""
     c.size = "base"  # ModelConfig preset, used only when init is empty
 
     # --- model: ModelConfig fields applied on top of the checkpoint's (dropout, dtypes, ...)

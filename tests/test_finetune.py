@@ -205,6 +205,15 @@ def test_config_presets_and_errors():
     config.model.hidden_size = 128
     with pytest.raises(ValueError, match="hidden_size cannot change a pretrained model"):
         finetune.validate_config(config)
+    # Picking a run of the init, or weights not to load from it, needs an init.
+    config = get_config("task=sentiment_rt")
+    config.init_run_seed = 2
+    with pytest.raises(ValueError, match="config.init_run_seed=2 needs a config.init"):
+        finetune.validate_config(config)
+    config = get_config("task=sentiment_rt,init=/x")
+    config.init_dont_load = "classifier/.*,albert/(pooler"
+    with pytest.raises(ValueError, match=r"init_dont_load: 'albert/\(pooler' is no regular"):
+        finetune.validate_config(config)
 
 
 def test_local_task_needs_files(tmp_path):

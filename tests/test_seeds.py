@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from test_finetune import (
     SENTIMENT_SETTINGS,
+    TINY_MODEL,
     _read_results,
     pretrained_workdir,
     run_cli,
@@ -22,7 +23,7 @@ from test_finetune import (
     tiny_tokenizer_path,
 )
 
-from albert_jax import finetune, optim, seeds
+from albert_jax import checkpointing, finetune, optim, seeds, trees
 from albert_jax.metrics_writer import read_metrics
 from albert_jax.pretrained import load_pretrained
 from albert_jax.train_state import TrainState, make_step
@@ -147,6 +148,70 @@ def test_each_seed_is_the_run_of_its_own_seed(tmp_path_factory, shared_data, tmp
     assert last["seeds_diverged"] == 0
     assert last["eval_accuracy"] == pytest.approx(together["median"]["accuracy"])
     assert last["eval_accuracy/seed_2"] == pytest.approx(accuracies[2])
+
+
+def test_fine_tuning_from_one_seed_of_a_four_seed_run(tmp_path_factory, shared_data, tmp_path):
+    """#60: a run fine-tuned with four seeds in one program is an init like any other: with
+    config.init_run_seed=2 a fine-tuning run starts from exactly seed 2's weights, backbone and
+    (same task, same shape) head, reading the checkpoint's items once; init_dont_load gives it
+    a fresh head on seed 2's backbone. Without a seed, or with one it lacks, it is refused
+    before anything compiles, naming the seeds it holds."""
+    spm = tiny_tokenizer_path(tmp_path_factory, shared_data)
+    source = str(tmp_path / "four")
+    config = sentiment_tiny_config(spm, shared_data, num_seeds=4, num_train_steps=2)
+    finetune.finetune_and_evaluate(config, source)
+    step_dir = checkpointing.latest_step_dir(source)
+    # [4, ...] arrays, read here by path and sliced: seed 2 is index 2 (seeds 0..3).
+    seed_2 = {k: v[2] for k, v in trees.flatten(checkpointing.read_item_numpy(
+        f"{step_dir}/params")).items()}  # fmt: skip
+
+    reads: list[str] = []  # the items of the init read through the file layer, as read
+
+    def counted(read):
+        def wrapper(item_dir, *args, **kwargs):
+            if str(item_dir).startswith(source):
+                reads.append(os.path.relpath(str(item_dir), step_dir))
+            return read(item_dir, *args, **kwargs)
+
+        return wrapper
+
+    def start_from(workdir: str, **overrides) -> dict[str, np.ndarray]:
+        """Evaluation only from the 4-seed run (train files unread); the params it starts from
+        (its checkpoint of step 0)."""
+        again = sentiment_tiny_config(spm, shared_data, num_train_steps=0, **overrides)
+        for field in TINY_MODEL:  # the architecture comes from the checkpoint
+            del again.model[field]
+        again.init, again.data.train_files = source, ""
+        reads.clear()
+        with pytest.MonkeyPatch.context() as patch:
+            for name in ("read_item_numpy", "read_json_item"):
+                patch.setattr(checkpointing, name, counted(getattr(checkpointing, name)))
+            results = finetune.finetune_and_evaluate(again, workdir)
+        assert sorted(reads) == ["meta", "params"], reads  # each item of the init read once
+        assert results["init"]["source"] == "albert_jax"
+        started = checkpointing.latest_step_dir(workdir)
+        assert started.endswith("/0")
+        return trees.flatten(checkpointing.read_item_numpy(f"{started}/params"))
+
+    picked = start_from(str(tmp_path / "from_seed_2"), init_run_seed=2)
+    assert set(picked) == set(seed_2) and any(k.startswith("classifier/") for k in picked)
+    for name, value in picked.items():
+        np.testing.assert_array_equal(value, seed_2[name], err_msg=name)
+
+    fresh_head = start_from(
+        str(tmp_path / "new_head"), init_run_seed=2, init_dont_load="classifier/.*"
+    )
+    report = _read_results(tmp_path / "new_head")["init"]
+    assert report["missing"] == ["classifier/bias", "classifier/kernel"]
+    assert {"classifier/bias", "classifier/kernel"} <= set(report["unexpected"])
+    for name, value in fresh_head.items():
+        if name.startswith("albert/"):
+            np.testing.assert_array_equal(value, seed_2[name], err_msg=name)
+    assert not np.array_equal(fresh_head["classifier/kernel"], seed_2["classifier/kernel"])
+
+    for seed, expected in ((None, r"\(num_seeds=4\)"), (7, r"\(no run of seed 7\)")):
+        with pytest.raises(ValueError, match=r"holds the runs of seeds \[0, 1, 2, 3\] " + expected):
+            start_from(str(tmp_path / f"refused_{seed}"), init_run_seed=seed)
 
 
 def test_failed_seeds_are_restarted_with_fresh_seeds(tmp_path_factory, shared_data, tmp_path):
