@@ -65,7 +65,6 @@ __all__ = [
     "checkpoint_meta",
     "detect_layout",
     "load_tf_checkpoint",
-    "load_tf_dir",
     "find_spm_model",
     "MODEL_CONFIG_FILE",
     "PARAMS_DIR",
@@ -231,9 +230,6 @@ def load_tf_checkpoint(
     config = ModelConfig.from_json(config_path)
     params = tf_checkpoint_to_params(prefix or find_tf_checkpoint(src), config)
     return config, params, find_spm_model(str(directory), ("30k-clean.model",))
-
-
-load_tf_dir = load_tf_checkpoint  # the name `convert` has always exported
 
 
 def _load_step_dir(
