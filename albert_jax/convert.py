@@ -159,7 +159,7 @@ def main(argv: list[str]) -> None:
     if direction_to == "hf":
         loaded = load_pretrained(src)
         save_hf_checkpoint(
-            loaded.params, loaded.config, dst, tokenizer_path=tokenizer or loaded.tokenizer_path
+            loaded.variables, loaded.config, dst, tokenizer_path=tokenizer or loaded.tokenizer_path
         )
         print(f"wrote HF AlbertForPreTraining checkpoint to {dst}")
         return

@@ -85,9 +85,10 @@ TRAINING_ITEMS = checkpointing.ITEMS
 class Pretrained:
     """A loaded model.
 
-    `params` is the variables tree for `model.apply(params, input_ids, ...)`, i.e.
-    `{"params": {...}}`, of uncommitted jax arrays on the default device (reshard them with
-    `jax.device_put(params, shardings)` for multi-device use).
+    `params` is the weights tree (`{"albert": ..., "predictions": ..., "sop_classifier":
+    ...}`), of uncommitted jax arrays on the default device (reshard them with
+    `jax.device_put(params, shardings)` for multi-device use); `variables` is what goes into
+    `model.apply(variables, input_ids, ...)`, Flax's `{"params": params}`.
     `source` is "albert_jax", "hf" or "tf"; `initialized` lists the parts (see
     `weight_names.OPTIONAL_PARTS`) that the checkpoint lacked and were freshly initialized.
     """
@@ -101,6 +102,11 @@ class Pretrained:
     step: int | None = None
     initialized: tuple[str, ...] = ()
     tokenizer_path: str | None = None
+
+    @property
+    def variables(self) -> dict[str, Any]:
+        """`{"params": self.params}`: the first argument of `model.apply`."""
+        return {"params": self.params}
 
 
 @dataclasses.dataclass
@@ -432,7 +438,7 @@ def load_pretrained(
         config = config.replace(dtype=dtype)
     return Pretrained(
         model=AlbertForPreTraining(config),
-        params=jax.device_put(params),
+        params=jax.device_put(params["params"]),
         config=config,
         tokenizer=checkpoint.tokenizer,
         source=checkpoint.source,

@@ -120,7 +120,7 @@ def load_params_only(path: str, abstract: Mapping[str, Any]) -> dict[str, np.nda
     from albert_jax.pretrained import load_pretrained
 
     pretrained = load_pretrained(path)
-    loaded = trees.flatten(pretrained.params["params"])
+    loaded = trees.flatten(pretrained.params)
     problems = [f"missing {k}" for k in abstract if k not in loaded]
     reshaped = [k for k, x in abstract.items() if k in loaded and loaded[k].shape != x.shape]
     problems += [f"{k}: checkpoint {loaded[k].shape}, model {abstract[k].shape}" for k in reshaped]

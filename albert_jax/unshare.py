@@ -280,7 +280,7 @@ def convert_sharing(src: str, dst: str, direction: str, seed: int = 0) -> dict[s
         raise ValueError(f"direction={direction!r} is not one of {tuple(REPORT_FILES)}")
     loaded = load_pretrained(src)
     transform = unshare if direction == "unshare" else reshare
-    params, config = transform(loaded.params, loaded.config)
+    params, config = transform(loaded.variables, loaded.config)
     save_model_dir(dst, params, config, tokenizer_path=loaded.tokenizer_path)
     # The figures are taken in float32 whatever the checkpoint computes in, so that an exact
     # unshare reads 0 and a reshare's change is not hidden under bfloat16 rounding; with the
@@ -289,7 +289,7 @@ def convert_sharing(src: str, dst: str, direction: str, seed: int = 0) -> dict[s
     cast = lambda p: jax.tree.map(lambda x: np.asarray(x, np.float32), p)
     probe = probe_batch(config, seed)
     difference = output_difference(
-        (cast(loaded.params), loaded.config.replace(**fp32)),
+        (cast(loaded.variables), loaded.config.replace(**fp32)),
         (cast(params), config.replace(**fp32)),
         probe,
     )
@@ -297,7 +297,7 @@ def convert_sharing(src: str, dst: str, direction: str, seed: int = 0) -> dict[s
         "direction": direction,
         "src": src,
         "dst": dst,
-        "source": _describe(loaded.config, loaded.params),
+        "source": _describe(loaded.config, loaded.variables),
         "result": _describe(config, params),
         "initialized_in_source": list(loaded.initialized),
         "probe": {"seed": seed, **{k: list(v.shape) for k, v in probe.items()}},

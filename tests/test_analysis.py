@@ -85,7 +85,7 @@ def test_layer_transitions_equal_hidden_states_computed_by_depth(shared_init, tm
     batch = heldout.unmasked(data.batches[0])
     # The restored batch is plain text: no [MASK] token left, the masked ids back in place.
     assert not np.any(batch["input_ids"] == data.pretrained.tokenizer.mask_id)
-    states = _hidden_states_by_depth(config, data.pretrained.params["params"], batch)
+    states = _hidden_states_by_depth(config, data.pretrained.params, batch)
     x, y = states[:-1], states[1:]
     real = (batch["input_mask"] > 0) & (batch["example_weight"] > 0)[:, None]
     l2 = np.linalg.norm(y - x, axis=-1)[:, real].mean(axis=1)

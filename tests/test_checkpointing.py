@@ -204,7 +204,7 @@ def test_layout_is_what_load_pretrained_reads(tmp_path):
     assert loaded.config == config
     assert loaded.step == 4
     flat = jax.tree.leaves_with_path(params)
-    loaded_flat = dict(jax.tree.leaves_with_path(loaded.params["params"]))
+    loaded_flat = dict(jax.tree.leaves_with_path(loaded.params))
     for path, value in flat:
         np.testing.assert_array_equal(np.asarray(loaded_flat[path]), np.asarray(value))
 

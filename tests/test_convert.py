@@ -173,21 +173,21 @@ def test_hf_parity(name, safetensors, tmp_path):
     # HF always projects E->H, also when E == H.
     assert loaded.config.always_project_embeddings and loaded.config.hidden_act == "gelu_new"
     batch = make_batch(cfg["vocab_size"], seed=1)
-    assert_parity(jax_outputs(loaded.config, loaded.params, batch), hf_outputs(hf, batch))
+    assert_parity(jax_outputs(loaded.config, loaded.variables, batch), hf_outputs(hf, batch))
 
     if safetensors:
         # HF -> ours -> HF gives back exactly the saved tensors.
         saved = load_file(str(tmp_path / "model.safetensors"))
-        back = params_to_hf_state_dict(loaded.params, loaded.config)
+        back = params_to_hf_state_dict(loaded.variables, loaded.config)
         assert sorted(back) == sorted(saved)
         for key in saved:
             np.testing.assert_array_equal(back[key], saved[key], err_msg=key)
     if name == "groups":
         # With the tied copies the export also loads strictly into a fresh PyTorch model.
-        tied = params_to_hf_state_dict(loaded.params, loaded.config, tied_duplicates=True)
+        tied = params_to_hf_state_dict(loaded.variables, loaded.config, tied_duplicates=True)
         fresh = transformers.AlbertForPreTraining(hf.config).eval()
         fresh.load_state_dict({k: torch.tensor(v) for k, v in tied.items()}, strict=True)
-        assert_parity(jax_outputs(loaded.config, loaded.params, batch), hf_outputs(fresh, batch))
+        assert_parity(jax_outputs(loaded.config, loaded.variables, batch), hf_outputs(fresh, batch))
 
 
 def test_hf_state_dict_prefix_heads_and_extras(caplog):
@@ -381,8 +381,8 @@ def test_tf1_official_checkpoint(tmp_path, caplog):
     ).eval()
     transformers.load_tf_weights_in_albert(hf, hf.config, str(official / "model.ckpt-7"))
     batch = make_batch(sizes["vocab_size"], seed=5)
-    assert_parity(jax_outputs(loaded.config, loaded.params, batch), hf_outputs(hf, batch))
-    sop_kernel = loaded.params["params"]["sop_classifier"]["classifier"]["kernel"]
+    assert_parity(jax_outputs(loaded.config, loaded.variables, batch), hf_outputs(hf, batch))
+    sop_kernel = loaded.params["sop_classifier"]["classifier"]["kernel"]
     np.testing.assert_array_equal(sop_kernel, values["cls/seq_relationship/output_weights"].T)
 
     # A bare checkpoint prefix next to albert_config.json loads the same.
@@ -444,7 +444,7 @@ def test_cli_hf_round_trip(tmp_path):
     loaded = load_pretrained(str(ours))
     assert loaded.source == "albert_jax"
     batch = make_batch(cfg["vocab_size"], seed=6)
-    assert_parity(jax_outputs(loaded.config, loaded.params, batch), hf_outputs(hf, batch))
+    assert_parity(jax_outputs(loaded.config, loaded.variables, batch), hf_outputs(hf, batch))
 
     done = run_cli("--to=hf", f"--src={ours}", f"--dst={back}")
     assert done.returncode == 0, done.stderr[-2000:]
@@ -514,5 +514,5 @@ def test_cli_to_hf_and_back_on_gcs(gcs, tmp_path, monkeypatch):
     assert done.returncode == 0, done.stderr[-2000:]
     loaded = load_pretrained(back)
     assert loaded.source == "albert_jax" and loaded.config == config
-    jax.tree.map(np.testing.assert_array_equal, loaded.params, params)
+    jax.tree.map(np.testing.assert_array_equal, loaded.variables, params)
     assert_local_unchanged(str(cwd))

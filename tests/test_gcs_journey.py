@@ -212,7 +212,7 @@ def test_load_pretrained_workdir_and_step_dir(gcs, pretraining, tmp_path, monkey
         loaded = load_pretrained(path)
         assert loaded.step == STEPS and loaded.source == "albert_jax", path
         assert loaded.config.hidden_size == 32 and loaded.config.vocab_size == 1000
-        assert_trees_equal(loaded.params, {"params": params})
+        assert_trees_equal(loaded.params, params)
         assert loaded.tokenizer is not None, path
         assert loaded.tokenizer_path == f"{workdir}/{checkpointing.TOKENIZER_FILE}"
         assert len(loaded.tokenizer.encode(text)) > 3

@@ -78,20 +78,20 @@ def test_model_dir(tmp_path, spm_model):
     loaded = load_pretrained(str(tmp_path))
     assert loaded.source == "albert_jax" and loaded.step is None and loaded.initialized == ()
     assert loaded.config == CONFIG
-    assert_same_tree(loaded.params, params)
+    assert_same_tree(loaded.variables, params)
     assert isinstance(loaded.tokenizer, Tokenizer)
     assert loaded.tokenizer.encode("it is a truth universally acknowledged")
     assert loaded.tokenizer.vocab_size == CONFIG.vocab_size
 
-    # `.params` is the variables tree for `.model.apply`.
+    # `.variables` is `{"params": .params}`, what `.model.apply` takes.
     ids = np.array([[2, 17, 33, 58, 3, 0]], np.int32)
     apply = jax.jit(loaded.model.apply)
-    out = apply(loaded.params, ids, np.zeros_like(ids), (ids > 0).astype(np.int32))
+    out = apply(loaded.variables, ids, np.zeros_like(ids), (ids > 0).astype(np.int32))
     assert out["sop_logits"].shape == (1, 2) and np.isfinite(out["mlm_logits"]).all()
 
     half = load_pretrained(str(tmp_path), dtype="bfloat16", param_dtype="bfloat16")
     assert half.config.dtype == "bfloat16" and half.model.config.param_dtype == "bfloat16"
-    assert {str(v.dtype) for v in flatten_params(half.params).values()} == {"bfloat16"}
+    assert {str(v.dtype) for v in flatten_params(half.variables).values()} == {"bfloat16"}
     with pytest.raises(ValueError, match="ModelConfig.dtype"):
         load_pretrained(str(tmp_path), dtype="float8")
     # Only training checkpoints hold runs of seeds to pick from.
@@ -146,14 +146,14 @@ def test_training_workdir_and_step_dir(tmp_path, spm_model):
     assert detect_layout(str(workdir)) == "workdir"
     latest = load_pretrained(str(workdir))
     assert latest.step == 200 and latest.source == "albert_jax" and latest.config == config
-    assert_same_tree(latest.params, saved[200])
+    assert_same_tree(latest.variables, saved[200])
     assert isinstance(latest.tokenizer, Tokenizer)
 
     step_dir = workdir / "checkpoints" / "100"
     assert detect_layout(str(step_dir)) == "step_dir"
     first = load_pretrained(str(step_dir))
     assert first.step == 100 and first.tokenizer_path == str(workdir / "tokenizer.model")
-    assert_same_tree(first.params, saved[100])
+    assert_same_tree(first.variables, saved[100])
     assert isinstance(first.tokenizer, Tokenizer)
 
     empty = tmp_path / "fresh_run"
@@ -204,11 +204,11 @@ def test_hf_checkpoints_without_heads(tmp_path):
         # One read as stored (what fine-tuning takes): the absent parts are absent.
         stored = read_checkpoint(str(hf_dir))
         assert stored.absent == absent and not any(k.startswith(absent) for k in stored.weights)
-        completed = flatten_params(loaded.params)
+        completed = flatten_params(loaded.variables)
         for name, value in stored.weights.items():
             np.testing.assert_array_equal(value, completed[name])
         apply = apply or jax.jit(loaded.model.apply)  # same config: compile once
-        out = apply(loaded.params, ids, segments, mask)
+        out = apply(loaded.variables, ids, segments, mask)
         seq = np.asarray(out["sequence_output"])
         assert np.abs(seq - ref.hidden_states[-1].numpy()).max() < 1e-4
         if cls is transformers.AlbertModel:
@@ -216,12 +216,12 @@ def test_hf_checkpoints_without_heads(tmp_path):
         else:
             assert np.abs(np.asarray(out["mlm_logits"]) - ref.logits.numpy()).max() < 1e-4
         # Fresh parts follow the model's init: unit LN scale, zero biases, truncated normal.
-        sop = loaded.params["params"]["sop_classifier"]["classifier"]
+        sop = loaded.params["sop_classifier"]["classifier"]
         assert not sop["bias"].any()
         assert np.abs(sop["kernel"]).max() <= 2 * CONFIG.initializer_range
         assert 0.5 < sop["kernel"].std() / CONFIG.initializer_range < 1.2
         if "predictions" in absent:
-            assert (loaded.params["params"]["predictions"]["LayerNorm"]["scale"] == 1).all()
+            assert (loaded.params["predictions"]["LayerNorm"]["scale"] == 1).all()
 
 
 def test_unknown_layout(tmp_path):
@@ -375,7 +375,7 @@ def test_gcs_workdir_and_step_dir(gcs, tmp_path, monkeypatch, spm_model):
         assert got.tokenizer_path == f"{remote}/tokenizer.model"
         assert got.tokenizer.encode(text) == want.tokenizer.encode(text)
         assert_same_tree(got.params, want.params)
-        assert_same_tree(got.params, saved[step])
+        assert_same_tree(got.variables, saved[step])
     missing = gcs.url("test_pretrained/no_such_run")
     with pytest.raises(ValueError, match=re.escape(repr(missing)) + " does not exist"):
         load_pretrained(missing)

@@ -141,8 +141,8 @@ def test_each_seed_is_the_run_of_its_own_seed(tmp_path_factory, shared_data, tmp
     # The checkpoint holds every seed's model; loading it picks one.
     with pytest.raises(ValueError, match=r"holds the runs of seeds \[0, 1, 2\]"):
         load_pretrained(str(tmp_path / "n3"))
-    picked = load_pretrained(str(tmp_path / "n3"), run_seed=1).params["params"]
-    own = load_pretrained(str(tmp_path / "seed1")).params["params"]
+    picked = load_pretrained(str(tmp_path / "n3"), run_seed=1).params
+    own = load_pretrained(str(tmp_path / "seed1")).params
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), picked, own)
     last = read_metrics(str(tmp_path / "n3"))[-1]
     assert last["seeds_diverged"] == 0

@@ -221,7 +221,7 @@ def test_cli_unshare_then_pretraining_continues_at_the_shared_loss(corpus, tmp_p
         batch = objective.next_batch(1)
     finally:
         objective.close()
-    shared_params = load_pretrained(shared_dir).params["params"]
+    shared_params = load_pretrained(shared_dir).params
     # (no dropout in these models: the key is unused)
     shared_loss, _ = jax.jit(objective.loss)(shared_params, batch, jax.random.key(0))
     # The same batch through the same function; the two compiled programs (one device here,

@@ -47,7 +47,7 @@ class Heldout:
     def params(self) -> Any:
         """The checkpoint's inner params tree, replicated over the mesh."""
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        return jax.device_put(self.pretrained.params["params"], replicated)
+        return jax.device_put(self.pretrained.params, replicated)
 
     def placed_batches(self) -> list[dict[str, jax.Array]]:
         """The batches as global arrays [B, ...], rows split over the mesh's batch axes."""

@@ -161,7 +161,7 @@ def cross_evaluate(workdirs: Sequence[str], *, eval_batches: int = 0) -> dict[st
         cells = {}
         for task in TASKS:
             logging.info("evaluating %s (trained with %s) on %s", workdir, config.objective, task)
-            cells[task] = evaluate(steps[loaded.config], loaded.params["params"], batches[task])
+            cells[task] = evaluate(steps[loaded.config], loaded.params, batches[task])
         rows.append({"trained": config.objective, "workdir": workdir, "step": loaded.step, **cells})
     sequences = int(sum(len(b["input_ids"]) for b in batches[TASKS[0]]))
     return {"tasks": list(TASKS), "eval_batches": num_batches, "sequences": sequences,
