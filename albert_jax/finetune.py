@@ -38,8 +38,6 @@ Files written (process 0):
 from __future__ import annotations
 
 import json
-import math
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,18 +60,11 @@ from albert_jax.finetune_config import (
 from albert_jax.loop import Loop
 from albert_jax.pretrained import Checkpoint
 from albert_jax.run_config import mesh_layout
-from albert_jax.sharding import create_mesh, fetch, process_rows
+from albert_jax.sharding import create_mesh, fetch
 from albert_jax.task_model import TaskModel
-from albert_jax.tasks import packing, registry
-from albert_jax.tasks.batching import (
-    bucket_lengths,
-    eval_batches,
-    train_batch,
-    trim_to_bucket,
-)
 from albert_jax.tasks.kinds import get_kind
-from albert_jax.tasks.local import ReadStats
 from albert_jax.tasks.registry import TaskSpec
+from albert_jax.tasks.task_data import TaskData
 
 __all__ = [
     "finetune_and_evaluate",
@@ -98,9 +89,10 @@ def build_model(spec: TaskSpec, model_config: ModelConfig, config: Any) -> nn.Mo
 
 
 class FineTuning(TaskModel):
-    """One task on one init: its data and features, the task model and loss of its kind
-    (`TaskModel`), the init merge, evaluation with the official metrics, and the files written
-    at the end (`loop.Objective`)."""
+    """One task on one init (`loop.Objective`): the task model and loss of its kind
+    (`TaskModel`), the init checkpoint merged into it, scoring with the official metrics and
+    the files written at the end. Its data — examples, features, packing, every step's batch
+    and the eval batches — is `self.data` (`tasks.task_data.TaskData`)."""
 
     flops_per_step = None
     final_eval = True  # the results of the run are the evaluation after its last step
@@ -130,77 +122,15 @@ class FineTuning(TaskModel):
         if jax.process_index() == 0 and tokenizer_path:
             files.copy(tokenizer_path, files.as_path(workdir) / checkpointing.TOKENIZER_FILE)
 
-        # --- data
-        start = time.perf_counter()
-        eval_only = config.num_train_steps == 0 and config.num_train_epochs <= 0
-        if eval_only and not config.data.train_files:
-            self.train_set = registry.EvalSet("", [], ReadStats())
-        else:
-            self.train_set = registry.read_train(config.task, config.data)
-        self.eval_sets = registry.read_eval(config.task, config.data)
-        self.train_features = registry.featurize(
-            config.task, self.train_set.examples, self.tokenizer, config
-        )
-        self.eval_features = [
-            registry.featurize(config.task, s.examples, self.tokenizer, config)
-            for s in self.eval_sets
-        ]
-        logging.info(
-            "read and featurized %d train / %s eval examples in %.1fs",
-            len(self.train_set.examples),
-            [len(s.examples) for s in self.eval_sets],
-            time.perf_counter() - start,
-        )
-        for eval_set, features in zip(self.eval_sets, self.eval_features, strict=True):
-            if not len(features):  # found now, not after training
-                raise ValueError(f"eval set {eval_set.name!r} has no examples")
-        self.total_steps = self._num_train_steps()
-        if len(self.train_features) == 0 and self.total_steps > 0:
-            raise ValueError(f"no training examples for task {config.task!r}")
-        self.train_fingerprint = self.train_features.fingerprint()
-        self.train_arrays = {k: self.train_features.arrays[k] for k in self.kind.model_inputs}
-        features = self.train_features if len(self.train_features) else self.eval_features[0]
-        rows = mesh.shape["data"] * mesh.shape["fsdp"]  # the init batch splits over the mesh
-        self.init_batch = {
-            k: features.arrays[k][:1].repeat(rows, 0) for k in self.kind.model_inputs
-        }
-        self.buckets = bucket_lengths(config.max_seq_length)
-        self.lengths_seen: set[int] = set()  # length buckets compiled so far
-        self.packed_shapes: set[packing.PackPlan] = set()  # packed training shapes so far
-        # Packed rows per seed: a multiple of the data shards and processes that split them,
-        # and no coarser: on sentiment_rt at batch 32, multiples of 4 rows cost 8% more tokens
-        # than multiples of 1 (32.4 against 30.0 a row) for 2 shapes instead of 4.
-        self.row_granularity = math.lcm(rows, jax.process_count())
-        self.packing = self._packs(config.pack_examples)
+        # --- data: examples, features, the packing decision and every step's batch
+        rows = mesh.shape["data"] * mesh.shape["fsdp"]  # the batches split over the mesh
+        self.data = TaskData(config, self.kind, self.tokenizer, self.seeds, rows,
+                             jax.process_count())  # fmt: skip
+        self.total_steps = self.data.total_steps
+        self.init_batch = self.data.init_batch
         self.report: dict[str, Any] | None = None  # InitReport.as_dict()
         self.results: dict[str, Any] = {}  # of the last evaluation
         self.predictions: dict[int, list[Any]] = {}  # {seed: [predictions of each eval set]}
-
-    def _packs(self, wanted: bool | None) -> bool:
-        """Whether training batches are packed: `config.pack_examples`, or with None (auto)
-        whether packed rows of the first steps' batches of `config.seed` hold at most
-        `packing.AUTO_MAX_PACKED_SHARE` of their unpacked tokens. A function of the config,
-        the training features and the row granularity (the mesh), the same on every process
-        and for any `num_seeds`; a resume keeps the decision its checkpoint recorded (`start`)."""
-        if not self.kind.packable or self.total_steps == 0:
-            return False
-        if wanted is not None:
-            return bool(wanted)
-        steps = [
-            [train_batch(self.train_arrays, step, int(self.config.batch_size),
-                         int(self.config.seed))]
-            for step in range(min(packing.AUTO_SAMPLE_STEPS, self.total_steps))
-        ]  # fmt: skip
-        share = packing.packed_share(
-            steps, self.config.max_seq_length, self.row_granularity, self.config.length_buckets
-        )
-        packs = share <= packing.AUTO_MAX_PACKED_SHARE
-        logging.info(
-            "pack_examples=None (auto): packed rows would hold %.2f of the tokens of the first "
-            "%d steps' batches unpacked: packing %s (on at <= %.2f)", share, len(steps),
-            "on" if packs else "off", packing.AUTO_MAX_PACKED_SHARE,
-        )  # fmt: skip
-        return packs
 
     def _tokenizer(self, init: Checkpoint | None) -> tuple[Any, str | None]:
         from albert_jax.data.tokenizer import Tokenizer
@@ -229,14 +159,6 @@ class FineTuning(TaskModel):
             "--config.data.tokenizer=PATH/TO/spm.model"
         )
 
-    def _num_train_steps(self) -> int:
-        config = self.config
-        if config.num_train_epochs > 0:
-            return int(
-                math.ceil(config.num_train_epochs * len(self.train_features) / config.batch_size)
-            )
-        return int(config.num_train_steps)
-
     # ---------------------------------------------------------------------------- weights
     def initial_weights(self, abstract: Mapping[str, Any]) -> dict[str, Any]:
         """The checkpoint's weights the task model has (reported: loaded / missing, which the
@@ -260,50 +182,20 @@ class FineTuning(TaskModel):
             logging.warning("%d checkpoint weights unused: %s", len(unexpected), unexpected)
         return loaded
 
-    # --------------------------------------------------------------------------- data state
-    def data_state(self, step: int) -> dict[str, Any]:
-        """What decides the training batches after `step`, saved in every checkpoint.
+    # -------------------------------------------------------------------------------- data
+    @property
+    def packing(self) -> bool:
+        """Whether training rows are packed (`config.pack_examples` or auto's decision)."""
+        return self.data.packing
 
-        Batch s is `train_batch(features, s, batch_size, seed)`, a pure function of these, so
-        a resumed run continues the exact data order of an uninterrupted one; the fingerprint
-        of the training features makes a resume on other data (other files, tokenizer or
-        featurization settings) an error instead of a silent change.
-        """
-        return {
-            "step": int(step),
-            "seed": int(self.config.seed),
-            "num_seeds": self.num_seeds,
-            "batch_size": int(self.config.batch_size),
-            "num_train_steps": int(self.total_steps),
-            "num_train_features": len(self.train_features),
-            "train_fingerprint": self.train_fingerprint,
-            "packed": self.packing,  # auto's decision, kept on resume (`start`)
-        }
+    def data_state(self, step: int) -> dict[str, Any]:
+        return self.data.state(step)
 
     def check_resume(self, saved: Any, step: int) -> None:
-        expected = self.data_state(step)
-        if not isinstance(saved, dict):
-            raise ValueError(f"{self.workdir}: checkpoint {step} has no data state: {saved!r}")
-        differ = sorted(
-            k for k, v in expected.items() if k in saved and saved[k] != v and k != "packed"
-        )
-        if differ:
-            details = ", ".join(f"{k}: saved {saved[k]!r}, now {expected[k]!r}" for k in differ)
-            raise ValueError(
-                f"cannot resume {self.workdir} at step {step}: the run's data or schedule "
-                f"changed ({details}); restore the config (config.json in the workdir) or use "
-                "a new --workdir"
-            )
+        self.data.check_resume(saved, step, self.workdir)
 
     def start(self, step: int, saved_data: Any, meta: Mapping[str, Any] | None) -> None:
-        # Batches are a pure function of the step (`next_batch`) and of the packing decision:
-        # a run resumed on another mesh keeps the layout auto chose at its start, so the
-        # resume stays bit-exact; a forced `pack_examples` is the user's to change.
-        saved_packing = saved_data.get("packed") if isinstance(saved_data, dict) else None
-        if saved_packing is not None and self.config.pack_examples is None:
-            if bool(saved_packing) != self.packing:
-                logging.info("resumed with the checkpoint's packing decision: %s", saved_packing)
-            self.packing = bool(saved_packing)
+        self.data.resume_packing(saved_data)
         if meta is not None:  # resumed: the init report of the run's first start
             logging.info("resumed fine-tuning at step %d from %s", step, self.workdir)
             self.report = meta.get("init")
@@ -312,42 +204,10 @@ class FineTuning(TaskModel):
                 self.report = files.read_json(earlier).get("init") if earlier.exists() else None
 
     def next_batch(self, step: int) -> dict[str, np.ndarray]:
-        rows = int(self.config.batch_size)
-        batches = [train_batch(self.train_arrays, step - 1, rows, seed) for seed in self.seeds]
-        if self.packing:
-            return process_rows(seeds.interleave(self._pack(batches)))
-        return process_rows(self._cut(seeds.interleave(batches)))
+        return self.data.batch(step)
 
-    def _pack(self, batches: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        """Each seed's batch packed (tasks/packing.py) into the step's one shape; each new
-        shape is logged with the count so far (bounded, see the module)."""
-        plan, placements = packing.plan_packing(
-            batches, self.config.max_seq_length, self.row_granularity
-        )
-        if plan not in self.packed_shapes:
-            self.packed_shapes.add(plan)
-            tokens = sum(int(b["input_mask"].sum()) for b in batches)
-            logging.info(
-                "packed shape %d rows x %d tokens (%.0f%% real tokens): compiled shapes %d "
-                "(%s)", plan.rows, plan.row_length,
-                100 * tokens / (plan.rows * plan.row_length * len(batches)),
-                len(self.packed_shapes), sorted(self.packed_shapes),
-            )  # fmt: skip
-        return [packing.pack_batch(b, plan, p) for b, p in zip(batches, placements, strict=True)]
-
-    def _cut(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The global batch cut to its length bucket (`config.length_buckets`); each new
-        length is one more compiled shape, at most `len(bucket_lengths(max_seq_length))`."""
-        if not self.config.length_buckets:
-            return batch
-        batch, length = trim_to_bucket(batch, self.kind.sequence_inputs)
-        if length not in self.lengths_seen:
-            self.lengths_seen.add(length)
-            logging.info(
-                "length bucket %d: compiled shapes %d of at most %d (%s)", length,
-                len(self.lengths_seen), len(self.buckets), sorted(self.lengths_seen),
-            )  # fmt: skip
-        return batch
+    def data_report(self) -> dict[str, Any]:
+        return self.data.report()
 
     def meta(self) -> dict[str, Any]:
         return {
@@ -365,23 +225,14 @@ class FineTuning(TaskModel):
         median over the seeds, and each seed's as `eval_<metric>/seed_<seed>`)."""
         per_seed: dict[int, dict[str, Any]] = {seed: {} for seed in self.seeds}
         self.predictions = {seed: [] for seed in self.seeds}
-        keys = self.kind.predict_inputs  # labels stay on the host
-        for eval_set, features in zip(self.eval_sets, self.eval_features, strict=True):
-            arrays = {k: features.arrays[k] for k in keys}
-            # Shortest rows first, so that batches of alike lengths share a short bucket; the
-            # outputs are put back in feature order below.
-            order = self._eval_order(arrays)
-            arrays = {k: v[order] for k, v in arrays.items()}
-            gathered: dict[str, list[np.ndarray]] = {}
-            for batch in eval_batches(arrays, self.config.eval_batch_size):
-                real = batch.pop("example_weight") > 0
-                rows = len(real)
-                batch = self._cut(batch)
-                out = fetch(loop.eval_step(params, loop.put(process_rows(batch), rows)))
-                for k, v in out.items():
-                    gathered.setdefault(k, []).append(self._uncut(k, np.asarray(v)[real]))
-            outputs = {k: np.concatenate(v)[np.argsort(order)] for k, v in gathered.items()}
-            prefix = f"{eval_set.name}/" if len(self.eval_sets) > 1 else ""
+
+        def run(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+            return fetch(loop.eval_step(params, loop.put(batch, rows)))
+
+        several = len(self.data.eval_sets) > 1
+        for eval_set, features in self.data.eval_pairs():
+            outputs = self.data.eval_outputs(features, run)
+            prefix = f"{eval_set.name}/" if several else ""
             for i, seed in enumerate(self.seeds):
                 seed_outputs = outputs if self.num_seeds == 1 else {
                     k: v[:, i] for k, v in outputs.items()
@@ -404,22 +255,6 @@ class FineTuning(TaskModel):
             logged.update({f"eval_{k}/seed_{seed}": v for k, v in numbers.items()})
         return logged
 
-    def _eval_order(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
-        """Feature rows by real length (stable), or as they are without length buckets."""
-        mask = arrays["input_mask"]
-        if not self.config.length_buckets:
-            return np.arange(len(mask))
-        return np.argsort(mask.reshape(len(mask), -1).sum(axis=1), kind="stable")
-
-    def _uncut(self, name: str, value: np.ndarray) -> np.ndarray:
-        """An output of a cut batch with its sequence axis padded back to max_seq_length, as
-        the head masks padding positions (`heads.MASKED_LOGIT`)."""
-        width = self.config.max_seq_length - value.shape[-1]
-        if name not in self.kind.sequence_outputs or width == 0:
-            return value
-        pad = [(0, 0)] * (value.ndim - 1) + [(0, width)]
-        return np.pad(value, pad, constant_values=heads.MASKED_LOGIT)
-
     # ----------------------------------------------------------------------------- outputs
     def write_predictions(self) -> list[str]:
         """Each eval set's prediction files (the kind's; suffixed _<k> when there are several;
@@ -430,30 +265,11 @@ class FineTuning(TaskModel):
             if self.num_seeds > 1:
                 where = str(files.as_path(self.workdir) / f"seed_{seed}")
                 files.as_path(where).mkdir(parents=True, exist_ok=True)
-            pairs = zip(self.eval_sets, predictions, strict=True)
+            pairs = zip(self.data.eval_sets, predictions, strict=True)
             for k, (eval_set, preds) in enumerate(pairs):
-                suffix = f"_{k}" if len(self.eval_sets) > 1 else ""
+                suffix = f"_{k}" if len(self.data.eval_sets) > 1 else ""
                 written += self.kind.write_predictions(where, suffix, eval_set, preds)
         return written
-
-    def data_report(self) -> dict[str, Any]:
-        def read(stats: Any) -> dict[str, Any]:
-            return {"read": stats.read, "kept": stats.kept, "skipped": dict(stats.skipped),
-                    "first_skipped": dict(stats.first_skipped),  # where: "file:line"
-                    "adjusted": dict(stats.adjusted)}  # fmt: skip
-
-        return {
-            "train": {
-                "files": self.train_set.name,
-                **read(self.train_set.stats),
-                "featurization": self.train_features.stats.as_dict(),
-                "packed": self.packing,  # config.pack_examples, or what auto decided
-            },
-            "eval": [
-                {"set": s.name, **read(s.stats), "featurization": f.stats.as_dict()}
-                for s, f in zip(self.eval_sets, self.eval_features, strict=True)
-            ],
-        }
 
     def close(self) -> None:
         pass

@@ -366,7 +366,7 @@ def measure_length(
             contenders["ours_buckets"] = ours_buckets.step
         objective = ours.objective
         # HF's rows: the examples of ours' steps, each cut to its real tokens.
-        batches = {s: train_batch(objective.train_arrays, s - 1, args.batch, config.seed)
+        batches = {s: train_batch(objective.data.train_arrays, s - 1, args.batch, config.seed)
                    for s in steps}  # fmt: skip
         rows = {s: unpadded_rows(b) for s, b in batches.items()}
         bucket = {s: trim_to_bucket(b, ("input_mask",))[1] for s, b in batches.items()}

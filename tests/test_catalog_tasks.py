@@ -191,7 +191,7 @@ def test_squad_v11_reproduces_the_local_run(shared_data, tmp_path_factory, tmp_p
     assert misplaced > 0
     _store_as_catalog("squad/v1.1", {"validation": first}, str(tmp_path / "reader"))
     stats = local.ReadStats()
-    catalog = finetune.registry.squad.read_squad_tfds(
+    catalog = registry.squad.read_squad_tfds(
         "v1.1", "validation", data_dir=str(tmp_path / "reader"), stats=stats
     )
     from_file = local.read_squad(dev_file)

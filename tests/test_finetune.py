@@ -179,7 +179,7 @@ def test_config_presets_and_errors():
     assert (v2.warmup_fraction, v2.doc_stride, v2.max_query_length) == (0.1, 128, 64)
     race = get_config("task=race")
     assert (race.num_train_steps, race.max_qa_length, race.optimizer) == (12000, 128, "adamw")
-    assert set(CONFIG_TASKS) <= set(finetune.registry.TASKS)
+    assert set(CONFIG_TASKS) <= set(registry.TASKS)
     # Every task's config passes the checks and has the same fields: the config file is the
     # list of the fields a fine-tuning config may have, whatever its task.
     first = get_config(f"task={CONFIG_TASKS[0]}")
@@ -220,7 +220,7 @@ def test_local_task_needs_files(tmp_path):
     config = get_config("task=sentiment_rt")
     config.data.tokenizer = None
     with pytest.raises(ValueError, match="train_files"):
-        finetune.registry.read_train("sentiment_rt", config.data)
+        registry.read_train("sentiment_rt", config.data)
 
 
 # -------------------------------------------------------------------------- local fine-tuning
@@ -381,7 +381,7 @@ def test_squad_shifts_end_to_end(tmp_path_factory, shared_data):
     assert all(text in contexts[qid] for qid, text in predictions.items())
     assert sum(bool(t) for t in predictions.values()) > 100
     # The evaluator, run on the written file, reports the same numbers.
-    dataset = finetune.registry.squad.squad_json(examples, "v1.1")
+    dataset = registry.squad.squad_json(examples, "v1.1")
     assert squad_eval.evaluate(dataset, predictions)["f1"] == pytest.approx(results["f1"])
 
 
