@@ -46,7 +46,7 @@ from test_finetune import (
     tiny_tokenizer_path,
 )
 
-from albert_jax import checkpointing, finetune
+from albert_jax import checkpointing, files, finetune
 from albert_jax.tasks import local, registry
 
 
@@ -153,7 +153,7 @@ def _squad_records(
     questions `ids`, answers exactly as in the file, and how many of those answers have an
     offset that misses their text (SQuAD-Shifts has a few, shifted by some characters: the
     catalog reader has to cope with them)."""
-    with local.open_text(path) as f:
+    with files.open_text(path) as f:
         articles = json.load(f)["data"]
     paragraphs = ((a, p) for a in articles for p in a["paragraphs"])
     records, misplaced = [], 0

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from albert_jax.tasks import kinds, local, registry, squad_eval
+from albert_jax.tasks import json_records, kinds, registry, squad_eval
 
 
 def _squad_file(path, ids, title="T"):
@@ -78,7 +78,7 @@ def test_same_named_eval_files_keep_their_ids_and_files_apart(tmp_path):
     assert single.example_sources() == [a, a]
     # Names grow by as many folders as tell same-named files apart, and no more.
     paths = ["/x/a/dev.jsonl", "/y/a/dev.jsonl.gz", "/x/b/dev.json", "/x/b/train.jsonl"]
-    assert local.file_names(paths) == [
+    assert json_records.file_names(paths) == [
         "x/a/dev.jsonl", "y/a/dev.jsonl.gz", "b/dev.json", "train.jsonl",
     ]  # fmt: skip
 

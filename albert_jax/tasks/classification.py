@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from albert_jax.tasks.batching import Features, FeatureStats, pad_ids
-from albert_jax.tasks.local import ClassificationExample
+from albert_jax.tasks.records import ClassificationExample
 
 __all__ = ["truncate_pair", "classification_features"]
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from albert_jax import files
 from albert_jax.files import BadRecordError
-from albert_jax.tasks.local import ClassificationExample, ReadStats
+from albert_jax.tasks.records import ClassificationExample, ReadStats
 
 __all__ = ["BadRecordError", "GlueTask", "GLUE_TASKS", "glue_example", "read_glue"]
 

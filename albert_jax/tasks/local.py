@@ -33,18 +33,23 @@ files of a set share a name, `read_files` names them by their folders too (`a/de
 
 from __future__ import annotations
 
-import collections
-import json
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 from albert_jax import files, line_reading
 from albert_jax.files import BadRecordError
-
-# The records and ReadStats live in tasks/records.py (every reader's); imported under these
-# names, which the callers of this module have always used.
+from albert_jax.tasks.json_records import (
+    file_name,
+    file_names,
+    float_field,
+    int_field,
+    log_summary,
+    read_json,
+    read_jsonl,
+    text_field,
+)
 from albert_jax.tasks.records import (
     ClassificationExample,
     MultipleChoiceExample,
@@ -63,215 +68,6 @@ VITAMINC_LABELS: tuple[str, ...] = ("entailment", "neutral", "contradiction")
 SENTIMENT_LABELS: tuple[str, ...] = ("negative", "positive")
 # RACE-style multiple choice: the head scores a fixed number of options per question.
 DEFAULT_NUM_CHOICES = 4
-# Bounds of the task files' lines (config.data.max_line_bytes / max_blank_lines): a record, or a
-# whole SQuAD JSON file (the official ones are one line of up to ~40 MB), is far below the cap.
-LINE_LIMITS = line_reading.DEFAULT_LINE_LIMITS
-
-
-def _log_summary(path: PathLike, stats: ReadStats) -> None:
-    if stats.skipped_total or stats.adjusted:
-        log.warning(
-            "%s: read %d, kept %d, skipped %d %s, adjusted %s, first skipped at %s",
-            os.fspath(path),
-            stats.read,
-            stats.kept,
-            stats.skipped_total,
-            dict(stats.skipped),
-            dict(stats.adjusted),
-            stats.first_skipped,
-        )
-
-
-# ----------------------------------------------------------------------------- file access
-# Kept under these names for the readers' callers: the one implementation is albert_jax.files.
-open_text = files.open_text
-expand_paths = files.expand
-
-
-def _file_name(path: PathLike) -> str:
-    """dir/dev.jsonl.gz -> dev.jsonl.gz (a local or gs:// path)."""
-    return os.fspath(path).rpartition("/")[2]
-
-
-def _without_suffixes(name: str) -> str:
-    """dev.jsonl.gz → dev, a/dev.jsonl → a/dev: the prefix of record ids."""
-    for suffix in (".gz", ".jsonl", ".json"):
-        name = name.removesuffix(suffix)
-    return name
-
-
-def file_names(paths: Sequence[PathLike]) -> list[str]:
-    """What the records of each of a set's files call it (ids, bad-record locations): its file
-    name; files whose names without suffixes are the same (x/a/dev.jsonl, x/b/dev.jsonl) with
-    the fewest trailing folders that tell them apart (a/dev.jsonl, b/dev.jsonl). Two that differ
-    in suffixes only (x/dev.jsonl, x/dev.jsonl.gz) keep their paths, and their ids collide."""
-    parts = [os.fspath(p).split("/") for p in paths]
-    by_stem: dict[str, list[int]] = collections.defaultdict(list)
-    for i, p in enumerate(parts):
-        by_stem[_without_suffixes(p[-1])].append(i)
-    names = [p[-1] for p in parts]
-    for group in (g for g in by_stem.values() if len(g) > 1):
-        for i in group:
-            folders, k = parts[i][:-1], 1
-            while k < len(folders) and any(
-                parts[j][-1 - k : -1] == folders[-k:] for j in group if j != i
-            ):
-                k += 1
-            names[i] = "/".join(parts[i][-1 - k :])
-    return names
-
-
-def read_json(path: PathLike, limits: line_reading.LineLimits | None = None) -> Any:
-    """The content of a whole JSON file (gzip'ed or not, local or gs://), e.g. SQuAD data or
-    predictions. The one place that names the file when it cannot be parsed: a truncated file,
-    bad JSON or bytes that are not UTF-8 raise one ValueError with the path, the line and column
-    and the reason (the original error chained); so does a file of more than
-    `limits.max_line_bytes` (default `LINE_LIMITS`) once decompressed, read no further."""
-    max_bytes = (limits or LINE_LIMITS).max_line_bytes
-    # Bytes first, decoded here: a decode error then has its offset in the file (a text stream
-    # reports it within a buffer), so the message can give the line.
-    with files.open_binary(path) as f:
-        data = line_reading.read_at_most(f, max_bytes)
-    if data is None:  # one JSON value: no part of it can be kept
-        raise ValueError(
-            f"{os.fspath(path)}: more than {max_bytes} bytes once decompressed; raise "
-            "config.data.max_line_bytes if the file is really that large"
-        )
-    try:
-        # utf-8-sig: a leading byte-order mark (editors on Windows write one) is not content.
-        content = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-        raise ValueError(
-            f"{os.fspath(path)}: not UTF-8 text at line {line} column {column} (byte "
-            f"{e.start}: {e.object[e.start : e.end]!r}): {e.reason}"
-        ) from e
-    try:
-        return json.loads(content)
-    except json.JSONDecodeError as e:
-        # The parser stopped at the end of the text, or in a string that the end cut off.
-        ends_early = e.pos >= len(content.rstrip()) or e.msg.startswith("Unterminated string")
-        truncated = " (the file ends early: truncated?)" if ends_early else ""
-        raise ValueError(
-            f"{os.fspath(path)}: not valid JSON at line {e.lineno} column {e.colno}: "
-            f"{e.msg}{truncated}"
-        ) from e
-
-
-def _jsonl_records(
-    path: PathLike, stats: ReadStats, name: str | None, limits: line_reading.LineLimits
-) -> Iterator[tuple[str, str, dict]]:
-    """Yields (id, location, record) for every JSON object line; counts the lines that are not
-    (`bad_utf8`, `invalid_json`, `not_an_object`), those longer than `limits.max_line_bytes`
-    (`line_too_long`: skipped unread) and a run of blank lines past `limits.max_blank_lines`
-    (`blank_run_too_long`: the rest of the file is not read), each with its "file:line". name:
-    what ids and locations call the file (`file_names`; default: its file name).
-
-    Raises:
-      ValueError: naming the file when it has lines but none of them is UTF-8 (a binary file,
-        or text in another encoding): skipping them all would only hide that.
-    """
-    base = name or _file_name(path)
-    stem = _without_suffixes(base)
-    decoded, undecodable, first_undecodable = 0, 0, 0
-
-    def skipped(reason: str, line_number: int) -> None:
-        stats.read += (
-            reason == line_reading.LINE_TOO_LONG
-        )  # a record; the end of a blank run is not
-        stats.skip(reason, f"{base}:{line_number}")
-
-    # Lines are decoded one by one (not through a text stream) so that one undecodable byte
-    # costs its line only, counted like any other bad record, instead of ending the read.
-    with files.open_binary(path) as f:
-        for line_number, raw in line_reading.read_lines(f, path, limits, skipped):
-            where = f"{base}:{line_number}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                stats.read += 1
-                stats.skip("bad_utf8", where)
-                undecodable += 1
-                first_undecodable = first_undecodable or line_number
-                continue
-            if line_number == 1:
-                line = line.removeprefix("\ufeff")  # a byte-order mark is not content
-            if not line.strip():
-                continue  # blank lines (e.g. a trailing newline) hold no record
-            decoded += 1
-            stats.read += 1
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                stats.skip("invalid_json", where)
-                continue
-            if not isinstance(record, dict):
-                stats.skip("not_an_object", where)
-                continue
-            # Ids count lines from 0, as they always have (predictions files are keyed by them).
-            yield f"{stem}-{line_number - 1}", where, record
-    if undecodable and not decoded:
-        raise ValueError(
-            f"{os.fspath(path)}: none of its {undecodable} lines is UTF-8 text (the first at "
-            f"line {first_undecodable}); is it a JSON Lines file?"
-        )
-
-
-def _text_field(record: dict, name: str) -> str:
-    if name not in record:
-        raise BadRecordError(f"missing_field:{name}")
-    value = record[name]
-    if not isinstance(value, str):
-        raise BadRecordError(f"bad_type:{name}")
-    if not value.strip():
-        raise BadRecordError(f"empty_text:{name}")
-    return value
-
-
-def _int_field(record: dict, name: str) -> int:
-    if name not in record:
-        raise BadRecordError(f"missing_field:{name}")
-    value = record[name]
-    # bool is an int in Python; a JSON true/false label is a malformed record, not class 1/0.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRecordError(f"bad_type:{name}")
-    return value
-
-
-def _float_field(record: dict, name: str) -> float:
-    if name not in record:
-        raise BadRecordError(f"missing_field:{name}")
-    value = record[name]
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise BadRecordError(f"bad_type:{name}")
-    if value != value or value in (float("inf"), float("-inf")):
-        raise BadRecordError(f"not_finite:{name}")
-    return float(value)
-
-
-def _read_jsonl(
-    path: PathLike,
-    parse: Callable[[str, dict], Any],
-    stats: ReadStats | None,
-    name: str | None = None,
-    limits: line_reading.LineLimits | None = None,
-) -> list:
-    """Applies parse(id, record) to each line of a JSON Lines file; skips and counts bad ones.
-    name: what ids and locations call the file (`file_names`; default: its file name);
-    limits: the bounds of its lines (default `LINE_LIMITS`)."""
-    file_stats = ReadStats()
-    examples = []
-    for example_id, where, record in _jsonl_records(path, file_stats, name, limits or LINE_LIMITS):
-        try:
-            examples.append(parse(example_id, record))
-        except BadRecordError as bad:
-            file_stats.skip(bad.reason, where)
-    file_stats.kept = len(examples)
-    _log_summary(path, file_stats)
-    if stats is not None:
-        stats.update(file_stats)
-    return examples
 
 
 # ----------------------------------------------------------------------------- readers
@@ -285,13 +81,13 @@ def read_sentiment_rt(
     """sentiment_rt lines {"sentence", "label" 0|1} → ClassificationExample(label=int)."""
 
     def parse(example_id: str, record: dict) -> ClassificationExample:
-        sentence = _text_field(record, "sentence")
-        label = _int_field(record, "label")
+        sentence = text_field(record, "sentence")
+        label = int_field(record, "label")
         if not 0 <= label < len(SENTIMENT_LABELS):
             raise BadRecordError("label_out_of_range")
         return ClassificationExample(example_id, sentence, None, label)
 
-    return _read_jsonl(path, parse, stats, name, limits)
+    return read_jsonl(path, parse, stats, name, limits)
 
 
 def read_sentiment_rt_score(
@@ -308,10 +104,10 @@ def read_sentiment_rt_score(
     """
 
     def parse(example_id: str, record: dict) -> ClassificationExample:
-        sentence = _text_field(record, "sentence")
-        return ClassificationExample(example_id, sentence, None, _float_field(record, "score"))
+        sentence = text_field(record, "sentence")
+        return ClassificationExample(example_id, sentence, None, float_field(record, "score"))
 
-    return _read_jsonl(path, parse, stats, name, limits)
+    return read_jsonl(path, parse, stats, name, limits)
 
 
 def read_nli_vitaminc(
@@ -324,14 +120,14 @@ def read_nli_vitaminc(
     """nli_vitaminc lines {"premise", "hypothesis", "label": name} → index in VITAMINC_LABELS."""
 
     def parse(example_id: str, record: dict) -> ClassificationExample:
-        premise = _text_field(record, "premise")
-        hypothesis = _text_field(record, "hypothesis")
-        label = _text_field(record, "label")
+        premise = text_field(record, "premise")
+        hypothesis = text_field(record, "hypothesis")
+        label = text_field(record, "label")
         if label not in VITAMINC_LABELS:
             raise BadRecordError("unknown_label")
         return ClassificationExample(example_id, premise, hypothesis, VITAMINC_LABELS.index(label))
 
-    return _read_jsonl(path, parse, stats, name, limits)
+    return read_jsonl(path, parse, stats, name, limits)
 
 
 def read_mc_cosmosqa(
@@ -351,8 +147,8 @@ def read_mc_cosmosqa(
         raise ValueError(f"num_choices must be at least 2, got {num_choices}")
 
     def parse(example_id: str, record: dict) -> MultipleChoiceExample:
-        context = _text_field(record, "context")
-        question = _text_field(record, "question")
+        context = text_field(record, "context")
+        question = text_field(record, "question")
         if "options" not in record:
             raise BadRecordError("missing_field:options")
         options = record["options"]
@@ -364,7 +160,7 @@ def read_mc_cosmosqa(
             raise BadRecordError("too_few_options")
         if len(options) > num_choices:
             raise BadRecordError("too_many_options")
-        label = _int_field(record, "label")
+        label = int_field(record, "label")
         if not 0 <= label < len(options):
             raise BadRecordError("label_out_of_range")
         padding = num_choices - len(options)
@@ -377,7 +173,7 @@ def read_mc_cosmosqa(
             label=label,
         )
 
-    return _read_jsonl(path, parse, stats, name, limits)
+    return read_jsonl(path, parse, stats, name, limits)
 
 
 def nearest_occurrence(context: str, text: str, near: int) -> int:
@@ -444,7 +240,7 @@ def read_squad(
     dataset = read_json(path, limits)
     if not isinstance(dataset, dict) or not isinstance(dataset.get("data"), list):
         raise ValueError(f"{os.fspath(path)}: not SQuAD JSON: expected a top-level 'data' list")
-    base = name or _file_name(path)
+    base = name or file_name(path)
     file_stats = ReadStats()
     examples: list[SpanExample] = []
     seen_ids: set[str] = set()
@@ -477,7 +273,7 @@ def read_squad(
                     where = f"{base}:{qid}"
                     if qid in seen_ids:
                         raise BadRecordError("duplicate_id")
-                    question = _text_field(qa, "question")
+                    question = text_field(qa, "question")
                     is_impossible = qa.get("is_impossible", False)
                     if not isinstance(is_impossible, bool):
                         raise BadRecordError("bad_type:is_impossible")
@@ -496,7 +292,7 @@ def read_squad(
                     SpanExample(qid, str(title), question, context, answers, is_impossible)
                 )
     file_stats.kept = len(examples)
-    _log_summary(path, file_stats)
+    log_summary(path, file_stats)
     if stats is not None:
         stats.update(file_stats)
     return examples
@@ -545,7 +341,7 @@ def read_task(
     that matches no file); limits: the bounds of their lines (default `LINE_LIMITS`)."""
     if name not in TASKS:
         raise ValueError(f"task: unknown local task {name!r}; known: {sorted(TASKS)}")
-    per_file = read_files(TASKS[name].reader, expand_paths(paths), stats=stats, limits=limits)
+    per_file = read_files(TASKS[name].reader, files.expand(paths), stats=stats, limits=limits)
     return [example for _, examples in per_file for example in examples]
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from albert_jax.tasks.batching import Features, FeatureStats, pad_ids
-from albert_jax.tasks.local import MultipleChoiceExample
+from albert_jax.tasks.records import MultipleChoiceExample
 
 __all__ = ["question_with_option", "multiple_choice_features"]
 

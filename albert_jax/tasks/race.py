@@ -16,7 +16,7 @@ import numpy as np
 
 from albert_jax import files
 from albert_jax.files import BadRecordError
-from albert_jax.tasks.local import MultipleChoiceExample, ReadStats
+from albert_jax.tasks.records import MultipleChoiceExample, ReadStats
 
 __all__ = ["RACE_LEVELS", "RACE_NUM_CHOICES", "race_examples", "read_race"]
 

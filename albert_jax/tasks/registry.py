@@ -27,7 +27,7 @@ import numpy as np
 
 from albert_jax import files as file_io
 from albert_jax import line_reading, process_setup
-from albert_jax.tasks import glue, local, race, squad
+from albert_jax.tasks import glue, json_records, local, race, squad
 from albert_jax.tasks.batching import Features
 from albert_jax.tasks.kinds import get_kind
 
@@ -174,10 +174,12 @@ def _read(name: str, data: Any, files: str, field: str, split: str, max_examples
     squad_dataset = None
     sources = None
     if files:
-        limits = line_reading.LineLimits.from_config(data, "config.data", local.LINE_LIMITS)
+        limits = line_reading.LineLimits.from_config(data, "config.data", json_records.LINE_LIMITS)
         paths, examples, sources = _read_files(name, files, field, stats, limits)
         if squad_version and len(paths) == 1 and max_examples <= 0:
-            squad_dataset = local.read_json(paths[0], limits)  # score against the file itself
+            squad_dataset = json_records.read_json(
+                paths[0], limits
+            )  # score against the file itself
         label = ",".join(paths)
     elif spec.source == "local":
         raise ValueError(

@@ -19,7 +19,8 @@ import numpy as np
 
 from albert_jax import files
 from albert_jax.files import BadRecordError
-from albert_jax.tasks.local import ReadStats, SpanAnswer, SpanExample, nearest_occurrence
+from albert_jax.tasks.local import nearest_occurrence
+from albert_jax.tasks.records import ReadStats, SpanAnswer, SpanExample
 
 __all__ = ["SQUAD_VERSIONS", "squad_example", "read_squad_tfds", "squad_json"]
 

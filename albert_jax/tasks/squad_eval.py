@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from absl import app, flags
 
 from albert_jax import files
-from albert_jax.tasks import local
+from albert_jax.tasks import json_records
 
 log = logging.getLogger(__name__)
 
@@ -282,11 +282,11 @@ def define_flags() -> None:
 
 def _load_json(path: str, what: str):
     """A (gzip'ed) JSON file, local or gs://; an unreadable one is a usage error naming the
-    flag (the message of `local.read_json` names the file, line and column)."""
+    flag (the message of `json_records.read_json` names the file, line and column)."""
     if not files.as_path(path).is_file():
         raise app.UsageError(f"--{what}={path}: no such file")
     try:
-        return local.read_json(path)
+        return json_records.read_json(path)
     except (OSError, ValueError) as e:
         raise app.UsageError(f"--{what}: {e}") from e
 

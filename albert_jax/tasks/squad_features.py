@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from albert_jax.tasks.batching import Features, FeatureStats, pad_ids
-from albert_jax.tasks.local import SpanExample
+from albert_jax.tasks.records import SpanExample
 
 __all__ = [
     "SquadFeatures",

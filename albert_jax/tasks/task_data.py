@@ -21,7 +21,7 @@ from albert_jax import heads, seeds
 from albert_jax.sharding import process_rows
 from albert_jax.tasks import packing, registry
 from albert_jax.tasks.batching import bucket_lengths, eval_batches, train_batch, trim_to_bucket
-from albert_jax.tasks.local import ReadStats
+from albert_jax.tasks.records import ReadStats
 
 Batch = dict[str, np.ndarray]
 
