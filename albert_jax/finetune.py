@@ -66,14 +66,7 @@ from albert_jax.tasks.kinds import get_kind
 from albert_jax.tasks.registry import TaskSpec
 from albert_jax.tasks.task_data import TaskData
 
-__all__ = [
-    "finetune_and_evaluate",
-    "build_model",
-    "validate_config",
-    "merge_pretrained",
-    "InitReport",
-    "EVAL_RESULTS_FILE",
-]
+__all__ = ["EVAL_RESULTS_FILE", "FineTuning", "build_model", "finetune_and_evaluate"]
 
 PyTree = Any
 EVAL_RESULTS_FILE = "eval_results.json"

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from conftest import build_once, run_main, session_dir
 
-from albert_jax import finetune
+from albert_jax import finetune, finetune_config
 from albert_jax.pretrained import load_pretrained
 from albert_jax.sharding import create_mesh
 from albert_jax.tasks import local, registry, squad_eval
@@ -185,7 +185,7 @@ def test_config_presets_and_errors():
     first = get_config(f"task={CONFIG_TASKS[0]}")
     for task in CONFIG_TASKS:
         config = get_config(f"task={task}")
-        finetune.validate_config(config)
+        finetune_config.validate_config(config)
         for section in ("", "model", "data", "mesh", "debug"):
             node, reference = (config[section], first[section]) if section else (config, first)
             assert set(node.keys()) == set(reference.keys()), (task, section)
@@ -196,24 +196,24 @@ def test_config_presets_and_errors():
     config = get_config("task=sentiment_rt,init=/x")
     config.learning_rte = 1.0
     with pytest.raises(ValueError, match="config.learning_rte"):
-        finetune.validate_config(config)
+        finetune_config.validate_config(config)
     config = get_config("task=sentiment_rt,init=/x")
     config.data.trian_files = "a"
     with pytest.raises(ValueError, match="config.data.trian_files"):
-        finetune.validate_config(config)
+        finetune_config.validate_config(config)
     config = get_config("task=sentiment_rt,init=/x")
     config.model.hidden_size = 128
     with pytest.raises(ValueError, match="hidden_size cannot change a pretrained model"):
-        finetune.validate_config(config)
+        finetune_config.validate_config(config)
     # Picking a run of the init, or weights not to load from it, needs an init.
     config = get_config("task=sentiment_rt")
     config.init_run_seed = 2
     with pytest.raises(ValueError, match="config.init_run_seed=2 needs a config.init"):
-        finetune.validate_config(config)
+        finetune_config.validate_config(config)
     config = get_config("task=sentiment_rt,init=/x")
     config.init_dont_load = "classifier/.*,albert/(pooler"
     with pytest.raises(ValueError, match=r"init_dont_load: 'albert/\(pooler' is no regular"):
-        finetune.validate_config(config)
+        finetune_config.validate_config(config)
 
 
 def test_local_task_needs_files(tmp_path):
@@ -527,7 +527,7 @@ def test_init_with_another_tokenizer_is_refused(tmp_path_factory, shared_data, t
         finetune.finetune_and_evaluate(config, str(tmp_path / "run"))
     config.data.tokenizer = tiny_tokenizer_path(tmp_path_factory, shared_data)  # the same one
     config.data.allow_other_tokenizer = False
-    spec = finetune.validate_config(config)
+    spec = finetune_config.validate_config(config)
     mesh = create_mesh((-1, 1, 1))
     assert finetune.FineTuning(config, str(tmp_path / "same"), spec, mesh).tokenizer.vocab_size
 

@@ -142,7 +142,8 @@ def _objective(config, workdir):
     """The FineTuning objective of `config` on its mesh, as the loop builds it."""
     import flax.linen as nn
 
-    from albert_jax.finetune import FineTuning, validate_config
+    from albert_jax.finetune import FineTuning
+    from albert_jax.finetune_config import validate_config
     from albert_jax.run_config import mesh_layout
     from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
 
