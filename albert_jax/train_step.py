@@ -20,7 +20,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from albert_jax import flops, losses, optim, train_state
-from albert_jax.data.pretraining import PAIR_KINDS
+from albert_jax.data.instances import PAIR_KINDS
 from albert_jax.model import AlbertForPreTraining, init_params
 from albert_jax.sharding import forward_per_replica
 

@@ -32,7 +32,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from albert_jax.data import pretraining, reference_masking, sentences  # noqa: E402
+from albert_jax.data import batches, instances, reference_masking, sentences  # noqa: E402
+from albert_jax.data.corpus import iter_jsonl_documents, tokenize_documents  # noqa: E402
 from albert_jax.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 
 SHARED = os.path.join(
@@ -99,7 +100,7 @@ def measure(corpus, tokenizer, seq_len: int, preds: int, B: int, seconds: float)
     """Ours vs the pure-Python reference on the same instance batches of one epoch."""
     rng = np.random.default_rng(0)
     start = time.perf_counter()
-    table = pretraining.create_instances(corpus, rng, max_seq_length=seq_len)
+    table = instances.create_instances(corpus, rng, max_seq_length=seq_len)
     instances_per_sec = len(table) / (time.perf_counter() - start)
     starts = list(range(0, len(table) - B + 1, B))
     zeros = np.zeros(B, np.int64)
@@ -108,7 +109,7 @@ def measure(corpus, tokenizer, seq_len: int, preds: int, B: int, seconds: float)
 
     def ours(i: int) -> None:
         lo = starts[i % len(starts)]
-        pretraining.build_batch(
+        batches.build_batch(
             [corpus],
             zeros,
             table[lo : lo + B],
@@ -149,7 +150,7 @@ def main() -> None:
     docs = []
     for name in args.corpora.split(","):
         path = os.path.join(args.corpus_dir, f"{name}.jsonl.gz")
-        docs.extend(pretraining.iter_jsonl_documents(path))
+        docs.extend(iter_jsonl_documents(path))
     raw_mb = sum(len(d["text"].encode("utf-8")) for d in docs) / 1e6
 
     if args.tokenizer:
@@ -162,7 +163,7 @@ def main() -> None:
         )
 
     start = time.perf_counter()
-    corpus = pretraining.tokenize_documents(docs, tokenizer)
+    corpus = tokenize_documents(docs, tokenizer)
     tokenize_mb_per_sec = raw_mb / (time.perf_counter() - start)
 
     result = {

@@ -181,7 +181,7 @@ def tokenizer(tmp_path_factory, shared_data):
     shared by the data tests (test_heads defines its own, smaller one)."""
     import itertools
 
-    from albert_jax.data import pretraining, sentences
+    from albert_jax.data import corpus, sentences
     from albert_jax.data.tokenizer import Tokenizer, train_tokenizer
 
     path = session_dir(tmp_path_factory) / "albert_spm" / "spm"
@@ -189,7 +189,7 @@ def tokenizer(tmp_path_factory, shared_data):
     def build() -> None:
         texts = []
         for name in ("brown", "austen"):
-            docs = pretraining.iter_jsonl_documents(
+            docs = corpus.iter_jsonl_documents(
                 os.path.join(shared_data, "corpora", f"{name}.jsonl.gz")
             )
             for doc in itertools.islice(docs, 60):

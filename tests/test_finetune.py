@@ -47,12 +47,12 @@ VOCAB_SIZE = 2000
 
 # -------------------------------------------------------------------- shared session artifacts
 def _corpus_texts(shared_data: str, docs_per_corpus: int) -> list[str]:
-    from albert_jax.data import pretraining, sentences
+    from albert_jax.data import corpus, sentences
 
     texts = []
     for name in ("brown", "austen"):
         path = os.path.join(shared_data, "corpora", f"{name}.jsonl.gz")
-        for doc in itertools.islice(pretraining.iter_jsonl_documents(path), docs_per_corpus):
+        for doc in itertools.islice(corpus.iter_jsonl_documents(path), docs_per_corpus):
             texts.extend(sentences.split_sentences(doc["text"]))
     return texts
 

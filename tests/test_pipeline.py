@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from albert_jax import files
-from albert_jax.data import cache, pipeline, pretraining, sentences
+from albert_jax.data import cache, corpus, pipeline, sentences, shard
 from albert_jax.data.pipeline import DataConfig, DocumentSource, PretrainingIterator
 from albert_jax.data.tokenizer import Tokenizer
 
@@ -28,7 +28,7 @@ def jsonl_source(shared_data: str, name: str, num_docs: int, weight: float = 1.0
     path = os.path.join(shared_data, "corpora", f"{name}.jsonl.gz")
 
     def documents(split: str, shard_index: int, shard_count: int):
-        docs = pretraining.iter_jsonl_documents(path)
+        docs = corpus.iter_jsonl_documents(path)
         for j, doc in enumerate(itertools.islice(docs, num_docs)):
             if (j % 10 == 0) == (split == "validation") and j % shard_count == shard_index:
                 yield doc
@@ -222,7 +222,7 @@ def test_eval_batches_are_fixed(tokenizer, sources, cache_dir):
 
 def test_stats_count_bad_documents(tokenizer, shared_data, cache_dir):
     good = list(
-        pretraining.iter_jsonl_documents(os.path.join(shared_data, "corpora", "brown.jsonl.gz"))
+        corpus.iter_jsonl_documents(os.path.join(shared_data, "corpora", "brown.jsonl.gz"))
     )[:3]
     bad = [
         {"title": "bytes", "text": b"Caf\xe9 au lait. Very good.\nYes."},
@@ -238,7 +238,7 @@ def test_stats_count_bad_documents(tokenizer, shared_data, cache_dir):
     assert stats["documents_one_sentence"] == 1 and stats["non_utf8_replaced"] == 1
     assert stats["long_sentences_chunked"] == 1 and stats["instances_truncated"] > 0
     assert stats["batches"] == 3 and stats["epochs"] >= 1
-    assert set(pretraining.COUNTERS) <= set(stats)
+    assert set(shard.COUNTERS) <= set(stats)
 
 
 def test_config_from_configdict_and_errors(tokenizer, sources, cache_dir):
@@ -282,7 +282,7 @@ def test_config_from_configdict_and_errors(tokenizer, sources, cache_dir):
 def raw_text_file(tmp_path_factory, shared_data) -> str:
     """30 Austen chapters in the official format: a sentence per line, blank line between."""
     path = tmp_path_factory.mktemp("raw") / "corpus.txt"
-    docs = pretraining.iter_jsonl_documents(os.path.join(shared_data, "corpora", "austen.jsonl.gz"))
+    docs = corpus.iter_jsonl_documents(os.path.join(shared_data, "corpora", "austen.jsonl.gz"))
     with open(path, "w", encoding="utf-8") as f:
         for doc in itertools.islice(docs, 30):
             f.write("\n".join(sentences.split_sentences(doc["text"])) + "\n\n")
@@ -496,7 +496,7 @@ def test_cache_write_that_runs_out_of_space_names_the_entry(tmp_path):
 import resource, signal
 import numpy as np
 from albert_jax.data import cache
-from albert_jax.data.pretraining import TokenizedCorpus
+from albert_jax.data.corpus import TokenizedCorpus
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails (EFBIG) instead of killing
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, resource.RLIM_INFINITY))
 corpus = TokenizedCorpus(np.zeros(1 << 20, np.int32), np.arange(3), np.arange(2))

@@ -11,14 +11,21 @@ import numpy as np
 import pytest
 
 from albert_jax import line_reading
-from albert_jax.data import masking, pretraining, reference_masking, sentences
-from albert_jax.data.pretraining import A_HI, A_LO, B_HI, B_LO, KIND, LABEL
+from albert_jax.data import batches, instances, masking, reference_masking, sentences
+from albert_jax.data.corpus import (
+    TokenizedCorpus,
+    concat_documents,
+    iter_jsonl_documents,
+    iter_raw_text_documents,
+    tokenize_documents,
+)
+from albert_jax.data.instances import A_HI, A_LO, B_HI, B_LO, KIND, LABEL
 
 
 @pytest.fixture(scope="module")
-def corpus(tokenizer, shared_data) -> pretraining.TokenizedCorpus:
-    docs = pretraining.iter_jsonl_documents(os.path.join(shared_data, "corpora", "austen.jsonl.gz"))
-    return pretraining.tokenize_documents(list(itertools.islice(docs, 70)), tokenizer)
+def corpus(tokenizer, shared_data) -> TokenizedCorpus:
+    docs = iter_jsonl_documents(os.path.join(shared_data, "corpora", "austen.jsonl.gz"))
+    return tokenize_documents(list(itertools.islice(docs, 70)), tokenizer)
 
 
 # --- sentences and documents ------------------------------------------------------------------
@@ -36,7 +43,7 @@ def test_split_sentences_uses_a_real_model():
 
 def test_raw_text_format_is_read():
     raw = b"First sentence here.\nSecond one, no period\n\n\nDoc two only line.\n\xff\xfe bad\n"
-    docs = list(pretraining.iter_raw_text_documents(raw))
+    docs = list(iter_raw_text_documents(raw))
     assert len(docs) == 2
     assert docs[0]["text"] == "First sentence here.\nSecond one, no period"
     assert isinstance(docs[1]["text"], bytes)  # not UTF-8: replaced (and counted) later
@@ -52,7 +59,7 @@ def test_raw_text_reading_is_bounded():
     raw = b"One.\n" + b"x" * 21 + b"\nTwo.\n\nThree.\n" + b"\n" * 5 + b"Lost.\n"
     counters = Counter()
     limits = line_reading.LineLimits(max_line_bytes=20, max_blank_lines=3)
-    docs = list(pretraining.iter_raw_text_documents(raw, limits=limits, counters=counters))
+    docs = list(iter_raw_text_documents(raw, limits=limits, counters=counters))
     assert [d["text"] for d in docs] == ["One.\nTwo.", "Three."]
     assert counters == {"lines_too_long": 1, "blank_runs_too_long": 1}
 
@@ -68,7 +75,7 @@ def test_bad_input_is_counted_not_fatal(tokenizer):
         {"title": "surrogate", "text": "Broken \ud800 text. Second sentence."},
     ]
     counters = Counter()
-    corpus = pretraining.tokenize_documents(docs, tokenizer, counters)
+    corpus = tokenize_documents(docs, tokenizer, counters)
     assert counters["documents"] == 6
     assert counters["documents_empty"] == 2
     assert counters["documents_one_sentence"] == 1
@@ -79,7 +86,7 @@ def test_bad_input_is_counted_not_fatal(tokenizer):
     assert lengths.min() >= 1
     # The 100k line became ~50 sentences of at most MAX_SENTENCE_CHARS characters.
     assert corpus.doc_starts[3] - corpus.doc_starts[2] >= 100_000 // 2000
-    table = pretraining.create_instances(
+    table = instances.create_instances(
         corpus, np.random.default_rng(0), max_seq_length=64, counters=counters
     )
     assert len(table) > 0 and counters["instances_truncated"] > 0
@@ -96,7 +103,7 @@ def test_truncate_counts_match_the_reference_loop():
                 a -= 1
             else:
                 b -= 1
-        cut_a, cut_b = pretraining.truncate_counts(np.array([la]), np.array([lb]), limit)
+        cut_a, cut_b = instances.truncate_counts(np.array([la]), np.array([lb]), limit)
         assert (cut_a[0], cut_b[0]) == (la - a, lb - b)
 
 
@@ -114,23 +121,23 @@ def test_sop_instances_follow_the_reference(corpus, tokenizer):
     rng = np.random.default_rng(1)
     S = 128
     counters = Counter()
-    table = pretraining.create_instances(
+    table = instances.create_instances(
         corpus, rng, max_seq_length=S, single_segment="random_b", counters=counters
     )
     la = table[:, A_HI] - table[:, A_LO]
     lb = table[:, B_HI] - table[:, B_LO]
     assert la.min() >= 1 and lb.min() >= 1 and (la + lb).max() <= S - 3
     kind, label = table[:, KIND], table[:, LABEL]
-    assert set(label[kind == pretraining.IN_ORDER]) == {0}
-    assert set(label[kind != pretraining.IN_ORDER]) == {1}
+    assert set(label[kind == instances.IN_ORDER]) == {0}
+    assert set(label[kind != instances.IN_ORDER]) == {1}
     # SOP: multi-sentence chunks are swapped with p=0.5.
-    pairs = kind != pretraining.RANDOM_B
-    swapped = (kind[pairs] == pretraining.SWAPPED).mean()
+    pairs = kind != instances.RANDOM_B
+    swapped = (kind[pairs] == instances.SWAPPED).mean()
     assert abs(swapped - 0.5) < 0.02, swapped
-    assert counters["instances_random_b"] == int((kind == pretraining.RANDOM_B).sum()) > 0
+    assert counters["instances_random_b"] == int((kind == instances.RANDOM_B).sum()) > 0
     assert counters["instances_split_sentence"] == 0
     # Hence the reference's excess of label 1: every one-sentence chunk adds one.
-    assert label.mean() > 0.5 + 0.5 * (kind == pretraining.RANDOM_B).mean() - 0.02
+    assert label.mean() > 0.5 + 0.5 * (kind == instances.RANDOM_B).mean() - 0.02
     # Random B comes from another document; A and B of pairs from the same one.
     doc_a = corpus.document_of_token(table[:, A_LO])
     doc_b = corpus.document_of_token(table[:, B_LO])
@@ -142,7 +149,7 @@ def test_sop_instances_follow_the_reference(corpus, tokenizer):
 
     # Black box: rebuild the token sequences of a batch and find them in the documents.
     batch_rows = table[:300]
-    ids, segments, lengths = pretraining.assemble([corpus], np.zeros(300, np.int64), batch_rows, S)
+    ids, segments, lengths = batches.assemble([corpus], np.zeros(300, np.int64), batch_rows, S)
     for b in range(300):
         row = ids[b, : lengths[b]]
         assert row[0] == tokenizer.cls_id and row[-1] == tokenizer.sep_id
@@ -153,7 +160,7 @@ def test_sop_instances_follow_the_reference(corpus, tokenizer):
         doc = np.asarray(corpus.document_tokens(d))
         where_a = _find(doc, seg_a)
         assert where_a.size, "segment A must come from its document"
-        if batch_rows[b, KIND] == pretraining.RANDOM_B:
+        if batch_rows[b, KIND] == instances.RANDOM_B:
             continue
         where_b = _find(doc, seg_b)
         assert where_b.size
@@ -163,7 +170,7 @@ def test_sop_instances_follow_the_reference(corpus, tokenizer):
             assert any(x >= y + len(seg_b) for x in where_a for y in where_b)
 
 
-SPLIT_KINDS = (pretraining.SPLIT_IN_ORDER, pretraining.SPLIT_SWAPPED)
+SPLIT_KINDS = (instances.SPLIT_IN_ORDER, instances.SPLIT_SWAPPED)
 
 
 def test_sop_splits_one_sentence_chunks(corpus, tokenizer):
@@ -171,24 +178,22 @@ def test_sop_splits_one_sentence_chunks(corpus, tokenizer):
     a cut sentence's two sides touch (A ends where B begins when in order)."""
     S = 128
     counters = Counter()
-    table = pretraining.create_instances(
+    table = instances.create_instances(
         corpus, np.random.default_rng(1), max_seq_length=S, counters=counters
     )
-    reference = pretraining.create_instances(
+    reference = instances.create_instances(
         corpus, np.random.default_rng(1), max_seq_length=S, single_segment="random_b"
     )
     kind, label = table[:, KIND], table[:, LABEL]
     # Same draws: the same chunks, with a cut sentence where the reference has a random B.
     assert len(table) == len(reference)
     split = np.isin(kind, SPLIT_KINDS)
-    assert split.sum() == (reference[:, KIND] == pretraining.RANDOM_B).sum() > 0
-    assert not (kind == pretraining.RANDOM_B).any()
+    assert split.sum() == (reference[:, KIND] == instances.RANDOM_B).sum() > 0
+    assert not (kind == instances.RANDOM_B).any()
     assert counters["instances_split_sentence"] == int(split.sum())
     assert counters["instances_random_b"] == counters["instances_unsplittable"] == 0
     assert counters["instances"] == len(table)
-    assert np.array_equal(
-        label == 1, np.isin(kind, (pretraining.SWAPPED, pretraining.SPLIT_SWAPPED))
-    )
+    assert np.array_equal(label == 1, np.isin(kind, (instances.SWAPPED, instances.SPLIT_SWAPPED)))
     # Fair coins: within 4 standard errors (~2k instances, ~100 of them cut sentences).
     for labels in (label, label[split]):
         assert abs(labels.mean() - 0.5) < 4 * 0.5 / np.sqrt(len(labels)), labels.mean()
@@ -216,7 +221,7 @@ def test_sop_splits_one_sentence_chunks(corpus, tokenizer):
 
     # Black box: rebuild the sequences and find them in their document.
     rows = np.concatenate([table[split][:100], table[pairs][:200]])
-    ids, _, lengths = pretraining.assemble([corpus], np.zeros(len(rows), np.int64), rows, S)
+    ids, _, lengths = batches.assemble([corpus], np.zeros(len(rows), np.int64), rows, S)
     for b in range(len(rows)):
         row = ids[b, : lengths[b]]
         sep = int(np.flatnonzero(row == tokenizer.sep_id)[0])
@@ -235,7 +240,7 @@ def test_sop_splits_one_sentence_chunks(corpus, tokenizer):
             assert any(y >= x + len(first_seg) for x in where_1 for y in where_2)
 
 
-def _synthetic_corpus(sentence_lengths_per_doc: list[list[int]]) -> pretraining.TokenizedCorpus:
+def _synthetic_corpus(sentence_lengths_per_doc: list[list[int]]) -> TokenizedCorpus:
     """Documents of given sentence lengths; token t of the stream has id 5 + t % 1000."""
     docs, t = [], 0
     for lengths in sentence_lengths_per_doc:
@@ -244,14 +249,14 @@ def _synthetic_corpus(sentence_lengths_per_doc: list[list[int]]) -> pretraining.
             doc.append([5 + (t + k) % 1000 for k in range(n)])
             t += n
         docs.append(doc)
-    return pretraining.concat_documents(docs, vocab_size=2000)
+    return concat_documents(docs, vocab_size=2000)
 
 
 def test_split_cut_is_uniform_and_truncation_keeps_the_cut():
     # 4000 one-sentence documents of 10 tokens, 30 of 1 token, one of a 300-token sentence.
     corpus = _synthetic_corpus([[10]] * 4000 + [[1]] * 30 + [[300]])
     counters = Counter()
-    table = pretraining.create_instances(
+    table = instances.create_instances(
         corpus, np.random.default_rng(0), max_seq_length=64, short_seq_prob=0.0, counters=counters
     )
     assert counters["instances_unsplittable"] == 30
@@ -279,16 +284,16 @@ def test_split_cut_is_uniform_and_truncation_keeps_the_cut():
 
 def test_split_edge_cases_and_other_objectives(corpus):
     with pytest.raises(ValueError, match="single_segment"):
-        pretraining.create_instances(
+        instances.create_instances(
             corpus, np.random.default_rng(0), max_seq_length=128, single_segment="drop"
         )
     ones = _synthetic_corpus([[1]] * 5)
     with pytest.raises(ValueError, match="1-token"):
-        pretraining.create_instances(ones, np.random.default_rng(0), max_seq_length=128)
+        instances.create_instances(ones, np.random.default_rng(0), max_seq_length=128)
     # NSP and MLM-only ignore the option: the reference's instances in both modes.
     for objective in ("nsp", "none"):
         split, ref = (
-            pretraining.create_instances(
+            instances.create_instances(
                 corpus,
                 np.random.default_rng(4),
                 max_seq_length=128,
@@ -301,22 +306,22 @@ def test_split_edge_cases_and_other_objectives(corpus):
 
 
 def test_nsp_and_none_objectives(corpus):
-    table = pretraining.create_instances(
+    table = instances.create_instances(
         corpus, np.random.default_rng(2), max_seq_length=128, objective="nsp"
     )
     kind, label = table[:, KIND], table[:, LABEL]
-    assert not (kind == pretraining.SWAPPED).any()
-    assert np.array_equal(label == 1, kind == pretraining.RANDOM_B)
+    assert not (kind == instances.SWAPPED).any()
+    assert np.array_equal(label == 1, kind == instances.RANDOM_B)
     assert 0.45 < label.mean() < 0.6  # p=0.5 plus one-sentence chunks
     doc_a = corpus.document_of_token(table[:, A_LO])
     doc_b = corpus.document_of_token(table[:, B_LO])
     assert np.all(doc_a[label == 1] != doc_b[label == 1])
-    table = pretraining.create_instances(
+    table = instances.create_instances(
         corpus, np.random.default_rng(2), max_seq_length=128, objective="none"
     )
-    assert not table[:, LABEL].any() and (table[:, KIND] == pretraining.IN_ORDER).all()
+    assert not table[:, LABEL].any() and (table[:, KIND] == instances.IN_ORDER).all()
     with pytest.raises(ValueError, match="objective"):
-        pretraining.create_instances(
+        instances.create_instances(
             corpus, np.random.default_rng(0), max_seq_length=128, objective="mlm"
         )
 
@@ -324,7 +329,7 @@ def test_nsp_and_none_objectives(corpus):
 @pytest.mark.parametrize("single_segment", ["split", "random_b"])
 def test_instances_are_seeded(corpus, single_segment):
     a, b, c = (
-        pretraining.create_instances(
+        instances.create_instances(
             corpus,
             np.random.default_rng(seed),
             max_seq_length=128,
@@ -342,9 +347,9 @@ def test_instances_are_seeded(corpus, single_segment):
 def masked(corpus, tokenizer):
     """>= 10k real sequences (seq 128, P 20) masked by the vectorized implementation."""
     rng = np.random.default_rng(3)
-    tables = [pretraining.create_instances(corpus, rng, max_seq_length=128) for _ in range(5)]
+    tables = [instances.create_instances(corpus, rng, max_seq_length=128) for _ in range(5)]
     rows = np.concatenate(tables)[:10240]
-    ids, _, lengths = pretraining.assemble([corpus], np.zeros(len(rows), np.int64), rows, 128)
+    ids, _, lengths = batches.assemble([corpus], np.zeros(len(rows), np.int64), rows, 128)
     out = masking.mask_whole_word_ngrams(
         ids, lengths, tokenizer.word_start, rng, max_predictions=20
     )

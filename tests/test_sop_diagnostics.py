@@ -22,8 +22,9 @@ from test_train import REPO, make_config, small_overrides
 
 from albert_jax import metrics_writer, train
 from albert_jax.analysis import sop_table
-from albert_jax.data import pipeline, pretraining
-from albert_jax.data.pretraining import (
+from albert_jax.data import batches, pipeline
+from albert_jax.data.corpus import iter_jsonl_documents, tokenize_documents
+from albert_jax.data.instances import (
     A_HI,
     A_LO,
     B_HI,
@@ -36,6 +37,7 @@ from albert_jax.data.pretraining import (
     SPLIT_IN_ORDER,
     SPLIT_SWAPPED,
     SWAPPED,
+    create_instances,
 )
 from albert_jax.data.tokenizer import Tokenizer
 from albert_jax.train_step import eval_metrics
@@ -49,13 +51,13 @@ def austen(corpus):
     import itertools
 
     tokenizer = Tokenizer(corpus["tokenizer"])
-    docs = itertools.islice(pretraining.iter_jsonl_documents(corpus["austen"]), 40)
-    return pretraining.tokenize_documents(docs, tokenizer), tokenizer
+    docs = itertools.islice(iter_jsonl_documents(corpus["austen"]), 40)
+    return tokenize_documents(docs, tokenizer), tokenizer
 
 
 def instances(tokenized, objective, single_segment="split", seed=0):
     counters = Counter()
-    table = pretraining.create_instances(
+    table = create_instances(
         tokenized, np.random.default_rng(seed), max_seq_length=48, objective=objective,
         single_segment=single_segment, counters=counters,
     )  # fmt: skip
@@ -134,7 +136,7 @@ def test_batches_carry_the_kind(austen, corpus):
     tokenized, tokenizer = austen
     table, _ = instances(tokenized, "sop")
     rows = table[:64]
-    batch = pretraining.build_batch(
+    batch = batches.build_batch(
         [tokenized], np.zeros(len(rows), np.int32), rows, np.random.default_rng(0), seq_len=48,
         max_predictions_per_seq=7, word_start=tokenizer.word_start,
     )  # fmt: skip

@@ -39,7 +39,7 @@ TASKS = ("nsp", "sop")  # the evaluation columns, as objectives of the data pipe
 OBJECTIVE_ROWS = ("none", "nsp", "sop")  # what the sweep trains, in the paper's row order
 TABLE_JSON = "sop_table.json"
 TABLE_MD = "sop_table.md"
-# The kinds of pair each task's data holds (pretraining.PAIR_KINDS names), in table order.
+# The kinds of pair each task's data holds (instances.PAIR_KINDS names), in table order.
 TASK_KINDS = {
     "nsp": ("in_order", "random_document"),
     "sop": ("in_order", "swapped", "split_in_order", "split_swapped", "random_document"),

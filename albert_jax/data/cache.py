@@ -37,8 +37,8 @@ from absl import logging
 from etils import epath
 
 from albert_jax import files
-from albert_jax.data import pretraining, workers
-from albert_jax.data.pretraining import TokenizedCorpus
+from albert_jax.data import workers
+from albert_jax.data.corpus import TokenizedCorpus, concat_documents, tokenize_one
 
 if TYPE_CHECKING:
     from albert_jax.data.data_config import DocumentSource
@@ -158,7 +158,7 @@ class _TokenizeChunk:
 
     def __call__(self, docs: list) -> tuple[list[list[list[int]]], Counter]:
         counters: Counter = Counter()
-        return [pretraining.tokenize_one(d, self.tokenizer, counters) for d in docs], counters
+        return [tokenize_one(d, self.tokenizer, counters) for d in docs], counters
 
 
 def _chunks(items: Iterable, size: int) -> Iterator[list]:
@@ -191,7 +191,7 @@ def _build(
             counters.update(c)
             yield from encoded
 
-    corpus = pretraining.concat_documents(tokenized(), tokenizer.vocab_size)
+    corpus = concat_documents(tokenized(), tokenizer.vocab_size)
     if corpus.num_documents == 0:
         raise EmptyShardError(
             f"source {source.name!r} split {split!r} shard {shard_index}/{shard_count} "

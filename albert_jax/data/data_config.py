@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from albert_jax import files
-from albert_jax.data import pretraining
+from albert_jax.data.instances import OBJECTIVES, SINGLE_SEGMENT_MODES
 
 # Not part of a shard's fingerprint: where files live, how many workers build batches, and
 # `num_shards` (the shard index and count are fingerprinted on their own).
@@ -26,7 +26,7 @@ class DataConfig:
     batch_size: int = 4096  # global batch; each of the `num_shards` shards makes batch/n
     objective: str = "sop"  # sop | nsp | none
     # SOP's one-sentence chunks: "split" (cut the sentence in two; balanced labels) or
-    # "random_b" (the reference: B from another document, label 1). See pretraining.py.
+    # "random_b" (the reference: B from another document, label 1). See instances.py.
     sop_single_segment: str = "split"
     seed: int = 0
     short_seq_prob: float = 0.1
@@ -80,13 +80,11 @@ class DataConfig:
         return self.num_shards or process_count
 
     def validate(self, process_count: int = 1) -> None:
-        if self.objective not in pretraining.OBJECTIVES:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES} (got {self.objective!r})")
+        if self.sop_single_segment not in SINGLE_SEGMENT_MODES:
             raise ValueError(
-                f"objective must be one of {pretraining.OBJECTIVES} (got {self.objective!r})"
-            )
-        if self.sop_single_segment not in pretraining.SINGLE_SEGMENT_MODES:
-            raise ValueError(
-                f"sop_single_segment must be one of {pretraining.SINGLE_SEGMENT_MODES} "
+                f"sop_single_segment must be one of {SINGLE_SEGMENT_MODES} "
                 f"(got {self.sop_single_segment!r})"
             )
         if self.seq_len < 5:

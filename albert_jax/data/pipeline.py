@@ -17,7 +17,7 @@ One shard (`PretrainingIterator`, whose `process_index` / `process_count` name t
   `gs://` (a marker file written last commits an entry: racing processes are safe). Later runs
   memory-map them.
 * **Epochs.** Source `k`'s instance stream is the concatenation of epochs; epoch `e` is
-  `pretraining.create_instances` with a generator seeded by `(seed, k, i, e)`, i.e. new
+  `instances.create_instances` with a generator seeded by `(seed, k, i, e)`, i.e. new
   instance boundaries, SOP swaps and random B segments each epoch (like `dupe_factor`, but
   unbounded), shuffled.
 * **Mixture.** Example slot `j = s * b + r` (b = per-shard batch) draws its source from a
@@ -246,7 +246,7 @@ def padding_batch(
     batch_size: int, seq_len: int, max_predictions_per_seq: int, cls_id: int
 ) -> dict[str, np.ndarray]:
     """A batch of `batch_size` padding rows: a lone [CLS] (so attention has a key), no
-    prediction (`masked_lm_weights` 0), `pair_kind` -1 (no kind of `pretraining.PAIR_KINDS`)
+    prediction (`masked_lm_weights` 0), `pair_kind` -1 (no kind of `instances.PAIR_KINDS`)
     and `example_weight` 0, in the batch contract's dtypes."""
     B, S, P = batch_size, seq_len, max_predictions_per_seq
     input_ids = np.zeros((B, S), np.int32)

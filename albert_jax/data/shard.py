@@ -11,13 +11,34 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from albert_jax.data import cache, pretraining, workers
-from albert_jax.data.pretraining import TokenizedCorpus
+from albert_jax.data import cache, workers
+from albert_jax.data.batches import build_batch
+from albert_jax.data.corpus import TokenizedCorpus
 from albert_jax.data.streams import TAG_MASK, InstanceStream, Mixture, stable_id
 
 if TYPE_CHECKING:
     from albert_jax.data.data_config import DataConfig, DocumentSource
     from albert_jax.data.tokenizer import Tokenizer
+
+# What `PretrainingIterator.stats()` counts (dropped, repaired or truncated items included): the
+# cache build's (`corpus.tokenize_documents`, plus `tokens`), the epochs' instances
+# (`instances.create_instances`) and the epochs built.
+COUNTERS = (
+    "documents",
+    "documents_empty",
+    "documents_one_sentence",
+    "non_utf8_replaced",
+    "sentences",
+    "sentences_empty_dropped",
+    "long_sentences_chunked",
+    "tokens",
+    "instances",
+    "instances_truncated",
+    "instances_random_b",
+    "instances_split_sentence",
+    "instances_unsplittable",
+    "epochs",
+)
 
 
 class BatchBuilder:
@@ -60,7 +81,7 @@ class BatchBuilder:
     def __call__(self, task: tuple[int, np.ndarray, np.ndarray]) -> dict[str, np.ndarray]:
         step, source_index, rows = task
         rng = np.random.default_rng([*self.mask_key, step])
-        return pretraining.build_batch(
+        return build_batch(
             self.corpora,
             source_index,
             rows,
@@ -267,7 +288,7 @@ class PretrainingIterator:
         and instances of the epochs built so far (instances, instances_truncated,
         instances_random_b, instances_split_sentence, instances_unsplittable, epochs), summed
         over sources, plus `<source>/<counter>`."""
-        out: Counter = Counter({k: 0 for k in pretraining.COUNTERS})
+        out: Counter = Counter({k: 0 for k in COUNTERS})
         for name, built, stream in zip(
             self.source_names, self._build_counters, self._streams, strict=True
         ):

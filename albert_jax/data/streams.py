@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from albert_jax.data import pretraining
-from albert_jax.data.pretraining import TokenizedCorpus
+from albert_jax.data.corpus import TokenizedCorpus
+from albert_jax.data.instances import create_instances
 
 if TYPE_CHECKING:
     from albert_jax.data.data_config import DataConfig
@@ -50,7 +50,7 @@ class InstanceStream:
         """Instance table [N_e, 6] of epoch `e` (the last two are kept)."""
         if e not in self._tables:
             rng = np.random.default_rng([*self._key, e])
-            self._tables[e] = pretraining.create_instances(
+            self._tables[e] = create_instances(
                 self.corpus,
                 rng,
                 max_seq_length=self.cfg.seq_len,
