@@ -1,11 +1,10 @@
-"""Restoring a run: the newest checkpoint that restores (falling back past damaged ones),
-params-only initialization from another model, and the input pipeline's position (one state
-per data shard) saved with every checkpoint.
+"""Restoring a run: the newest checkpoint that restores (falling back past damaged ones) and
+params-only initialization from another model. (The input pipeline's position is the
+pipeline's own: `data.pipeline.ShardedIterator.restore`.)
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -150,74 +149,3 @@ def _depth_hint(
         f"num_hidden_layers={init_config.num_hidden_layers}), so config.model.num_hidden_layers "
         "must stay at its depth (only an all-shared init runs at another depth); "
     )
-
-
-def data_state_for_save(iterator: Any) -> dict[str, Any]:
-    """`{"num_shards": n, "states": [state of shard 0, ..., shard n-1]}`: every process's shard
-    states (JsonSave writes on process 0 only, so they are gathered first)."""
-    state = iterator.get_state()
-    shards = dict(state["shards"])
-    if jax.process_count() > 1:
-        encoded = np.frombuffer(json.dumps(shards).encode(), np.uint8)
-        length = int(np.max(multihost_utils.process_allgather(np.int32(len(encoded)))))
-        padded = np.zeros(length, np.uint8)
-        padded[: len(encoded)] = encoded
-        gathered = multihost_utils.process_allgather(padded)
-        shards = {}
-        for row in np.asarray(gathered):
-            shards.update(json.loads(bytes(row).rstrip(b"\0").decode()))
-    n = state["num_shards"]
-    return {"num_shards": n, "states": [shards[str(i)] for i in range(n)]}
-
-
-def saved_num_shards(saved: Any) -> int | None:
-    """Data shards of a checkpoint's `data` item (checkpoints before data shards existed
-    stored one state per process under `process_count`), or None if it has no states."""
-    if not isinstance(saved, Mapping) or not saved.get("states"):
-        return None
-    n = saved.get("num_shards", saved.get("process_count"))
-    return int(n) if n else None
-
-
-def resolve_num_shards(configured: int, saved: int | None, process_count: int) -> int:
-    """The run's number of data shards.
-
-    `config.data.num_shards` when set; else the checkpoint's, so that a run resumed on another
-    number of processes keeps its data order (possible when the processes can share the shards
-    evenly); else one per process.
-    """
-    if configured:
-        if saved and saved != configured:
-            logging.warning(
-                "config.data.num_shards=%d but the checkpoint's data has %d shards: the data "
-                "order changes from here on", configured, saved
-            )  # fmt: skip
-        return configured
-    if saved and saved % process_count == 0:
-        return saved
-    if saved:
-        logging.warning(
-            "the checkpoint's data has %d shards, which %d processes cannot share evenly: using "
-            "%d shards, so the data order changes from here on (set config.data.num_shards to "
-            "a multiple of the process count to avoid this)", saved, process_count, process_count
-        )  # fmt: skip
-    return process_count
-
-
-def positioned_iterator(make_iterator: Callable[[int], Any], saved: Any, step: int) -> Any:
-    """The training iterator at `step`: from the saved shard states when they fit (O(1)), else
-    built at `start_step=step`, which recounts the position (the batch of a step is a pure
-    function of the step), e.g. after a change of data config or of the number of shards."""
-    iterator = make_iterator(0)
-    if saved_num_shards(saved) == iterator.num_shards:
-        shards = {str(i): state for i, state in enumerate(saved["states"])}
-        try:
-            iterator.set_state({"num_shards": iterator.num_shards, "shards": shards})
-            if iterator.step == step:
-                return iterator
-            logging.warning("saved data state is at step %d, not %d", iterator.step, step)
-        except ValueError as e:
-            logging.warning("saved data state not usable (%s)", e)
-    logging.warning("recomputing the input position of step %d", step)
-    iterator.close()
-    return make_iterator(step)

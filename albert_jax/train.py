@@ -16,7 +16,6 @@ In the order a run uses them:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -25,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from albert_jax import (
@@ -39,16 +39,10 @@ from albert_jax.config import ModelConfig, model_config_from
 from albert_jax.loop import Loop, TrainingDivergedError
 from albert_jax.model import AlbertForPreTraining
 from albert_jax.prepare import build_sources, prepare_tokenizer
-from albert_jax.resume import (
-    data_state_for_save,
-    load_params_only,
-    positioned_iterator,
-    resolve_num_shards,
-    saved_num_shards,
-)
+from albert_jax.resume import load_params_only
 from albert_jax.run_config import config_field
 from albert_jax.sharding import create_mesh
-from albert_jax.train_config import validate_config
+from albert_jax.train_config import RunLayout, validate_config
 from albert_jax.train_state import TrainState
 from albert_jax.train_step import (
     PretrainingModel,
@@ -98,7 +92,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
         return _train(config, workdir, layout, lease)
 
 
-def _train(config: Any, workdir: str, layout: Any, lease: Any) -> dict[str, Any]:
+def _train(config: Any, workdir: str, layout: RunLayout, lease: Any) -> dict[str, Any]:
     """`train_and_evaluate` once the config is valid and the workdir leased."""
     compile_cache.use_for_run(config_field(config, "compilation_cache_dir", ""), workdir)
     model_config = layout.model_config
@@ -112,7 +106,7 @@ def _train(config: Any, workdir: str, layout: Any, lease: Any) -> dict[str, Any]
         )
     slices = int(config_field(config, "mesh.slices", 0))
     mesh = create_mesh(layout.mesh_shape, devices=layout.devices, slices=slices)
-    objective = Pretraining(config, workdir, model_config, mesh, tokenizer)
+    objective = Pretraining(config, workdir, layout, mesh, tokenizer)
     peak = _peak_flops(model_config, mesh)
     loop = Loop(objective, config, workdir, mesh, peak=peak, lease=lease)
     try:
@@ -146,17 +140,19 @@ def _peak_flops(model_config: ModelConfig, mesh: Mesh) -> tuple[float | None, in
 
 class Pretraining(PretrainingModel):
     """The pretraining objective of `loop.Loop`: the model and loss of `PretrainingModel`, the
-    sharded training stream, a fixed held-out set and params-only init."""
+    sharded training stream, a fixed held-out set and params-only init. `layout` is what
+    `train_config.validate_config` derived from `config`: the model config and the data
+    pipeline's settings, built and validated there once."""
 
     final_eval = False  # evaluation only every `eval_every_steps` (and then at the end)
     task = None  # not a fine-tuning task
     eval_reduces = True  # eval_fn returns weighted sums over the batch
 
-    def __init__(
-        self, config: Any, workdir: str, model_config: ModelConfig, mesh: Mesh, tokenizer: Any
-    ):
+    def __init__(self, config: Any, workdir: str, layout: RunLayout, mesh: Mesh, tokenizer: Any):
+        model_config = layout.model_config
         super().__init__(config, AlbertForPreTraining(model_config), mesh)
         self.workdir, self.model_config, self.tokenizer = workdir, model_config, tokenizer
+        self.data = layout.data
         self.total_steps = int(config.num_train_steps)
         self.global_batch = int(config.batch_size)
         self.eval_every_steps = int(config.eval_every_steps)
@@ -183,33 +179,22 @@ class Pretraining(PretrainingModel):
         """Builds the training stream at `step` and the held-out set. The number of data
         shards fixes the batches; a resumed run keeps its checkpoint's."""
         from albert_jax.data import pipeline
+        from albert_jax.data.data_config import sources_from_spec
 
         del meta
-        config, processes = self.config, jax.process_count()
-        data_cfg = pipeline.DataConfig.from_config(config)
-        num_shards = resolve_num_shards(
-            data_cfg.num_shards, saved_num_shards(saved_data), processes
-        )
-        data_cfg = dataclasses.replace(data_cfg, num_shards=num_shards)
-        data_cfg.validate(processes)
-        logging.info("data: %d shards, %d per process", num_shards, num_shards // processes)
-        doc_sources = pipeline.sources_from_spec(data_cfg.sources, data_cfg.data_dir)
+        config, data, processes = self.config, self.data, jax.process_count()
+        doc_sources = sources_from_spec(data.sources, data.data_dir)
         where = dict(process_index=jax.process_index(), process_count=processes)
-
-        def make_iterator(start_step: int) -> Any:
-            return pipeline.ShardedIterator(
-                data_cfg, self.tokenizer, doc_sources, split="train", start_step=start_step,
-                **where,
-            )  # fmt: skip
-
-        self.iterator = (
-            positioned_iterator(make_iterator, saved_data, step) if step else make_iterator(0)
+        self.iterator = pipeline.ShardedIterator.restore(
+            data, self.tokenizer, doc_sources, step=step, saved=saved_data, **where
         )
+        num_shards = self.iterator.num_shards
+        logging.info("data: %d shards, %d per process", num_shards, num_shards // processes)
         if self.eval_every_steps > 0:
             self.eval_batches = list(
-                pipeline.make_eval_iterator(
-                    data_cfg, self.tokenizer, split=config.data.eval_split,
-                    num_batches=config.eval_batches, sources=doc_sources, **where,
+                pipeline.EvalBatches(
+                    data, self.tokenizer, doc_sources, split=config.data.eval_split,
+                    num_batches=config.eval_batches, num_shards=num_shards, **where,
                 )
             )  # fmt: skip
             self.baselines = majority_accuracies(self.eval_batches, self.model_config.vocab_size)
@@ -220,7 +205,7 @@ class Pretraining(PretrainingModel):
                 logging.warning(
                     "evaluation: split %r of %s has no real token to predict (%d batches of "
                     "padding only); no eval_mlm_* metric and no eval_loss will be recorded",
-                    config.data.eval_split, data_cfg.sources, len(self.eval_batches),
+                    config.data.eval_split, data.sources, len(self.eval_batches),
                 )  # fmt: skip
 
     # ----------------------------------------------------------------------------- per step
@@ -233,8 +218,12 @@ class Pretraining(PretrainingModel):
         return batch
 
     def data_state(self, step: int) -> Any:
+        """The training stream's position: every process's shard states, merged (the
+        checkpoint's `data` item is written by process 0 only)."""
+        from albert_jax.data.pipeline import merge_states
+
         del step  # the iterator is at the step being saved
-        return data_state_for_save(self.iterator)
+        return merge_states(_every_process(self.iterator.get_state()))
 
     def meta(self) -> dict[str, Any]:
         return {
@@ -256,3 +245,15 @@ class Pretraining(PretrainingModel):
     def close(self) -> None:
         if self.iterator is not None:
             self.iterator.close()
+
+
+def _every_process(value: Any) -> list[Any]:
+    """A JSON-able value of every process, in process order (just `[value]` in one process)."""
+    if jax.process_count() == 1:
+        return [value]
+    encoded = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    length = int(np.max(multihost_utils.process_allgather(np.int32(len(encoded)))))
+    padded = np.zeros(length, np.uint8)
+    padded[: len(encoded)] = encoded
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(row).rstrip(b"\0").decode()) for row in rows]

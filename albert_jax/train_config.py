@@ -31,11 +31,13 @@ def reference_config() -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class RunLayout:
-    """What `validate_config` derives: the model config and the mesh to build."""
+    """What `validate_config` derives: the model config, the mesh to build and the data
+    pipeline's settings (`data.data_config.DataConfig`, validated for the run's processes)."""
 
     model_config: ModelConfig
     mesh_shape: tuple[int, int, int]
     devices: tuple[Any, ...]
+    data: Any
 
 
 def validate_config(
@@ -104,9 +106,9 @@ def validate_config(
             "batch_size"
         )
     optim.make_optimizer(config)  # optimizer fields (names the bad one)
-    from albert_jax.data.pipeline import DataConfig
+    from albert_jax.data.data_config import DataConfig
 
-    DataConfig.from_config(config).validate(processes)
+    data = DataConfig.from_config(config, process_count=processes)
     # The read bounds of building the sources (prepare.build_sources).
     line_reading.LineLimits.from_config(config_field(config, "data"), "config.data")
     if config_field(config, "data.masked_lm_prob") == 0:  # valid for an ablation, else a slip
@@ -119,4 +121,4 @@ def validate_config(
             "config.data.masked_lm_prob=0: no token is masked, the MLM loss is 0 and only the "
             "sentence-order task trains"
         )
-    return RunLayout(model_config, mesh_shape, devices)
+    return RunLayout(model_config, mesh_shape, devices, data)

@@ -45,6 +45,7 @@ from test_train import (
 from albert_jax import checkpointing, metrics_writer, train
 from albert_jax.config import model_config_from
 from albert_jax.data import pipeline
+from albert_jax.data.data_config import DataConfig, sources_from_spec
 from albert_jax.data.tokenizer import Tokenizer
 from albert_jax.model import AlbertForPreTraining, init_params
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
@@ -356,11 +357,15 @@ def test_two_process_checkpoint_restores_exactly_in_one_process(runs, corpus):
         jax.tree.leaves_with_path(stored), jax.tree.leaves(single), strict=True
     ):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=str(path))
-    # One pipeline state per data shard, gathered from both processes.
+    # The pipeline's own state: one per data shard, merged from both processes.
     data = restored.data
-    assert data["num_shards"] == 2 and len(data["states"]) == 2
-    assert [s["step"] for s in data["states"]] == [RESUME_STEP, RESUME_STEP]
-    assert data["states"][0]["fingerprint"] != data["states"][1]["fingerprint"]
+    assert (data["step"], data["num_shards"], sorted(data["shards"])) == (
+        RESUME_STEP,
+        2,
+        ["0", "1"],
+    )
+    assert [s["step"] for s in data["shards"].values()] == [RESUME_STEP, RESUME_STEP]
+    assert data["shards"]["0"]["fingerprint"] != data["shards"]["1"]["fingerprint"]
 
 
 @pytest.mark.timeout(900)
@@ -398,8 +403,8 @@ def test_one_process_resumes_the_two_process_run(runs):
 @pytest.fixture(scope="module")
 def shard_setup(corpus, tmp_path_factory):
     tokenizer = Tokenizer(corpus["tokenizer"])
-    sources = pipeline.sources_from_spec(corpus["sources"], corpus["data_dir"])
-    cfg = pipeline.DataConfig(
+    sources = sources_from_spec(corpus["sources"], corpus["data_dir"])
+    cfg = DataConfig(
         seq_len=32, max_predictions_per_seq=5, batch_size=16, seed=3,
         cache_dir=str(tmp_path_factory.mktemp("shard_cache")),
     )  # fmt: skip
@@ -430,11 +435,10 @@ def test_global_batch_does_not_depend_on_the_process_count(shard_setup):
     single_shard = next(pipeline.ShardedIterator(cfg, tokenizer, sources))
     assert single_shard["input_ids"].tobytes() != batch["input_ids"].tobytes()
 
-    # States move between layouts: the 2 processes' shard states (what a checkpoint gathers)
-    # position a 1-process iterator, and the 1-process state positions each process.
-    merged = {"num_shards": 2, "shards": {}}
-    for p in procs:
-        merged["shards"].update(p.get_state()["shards"])
+    # States move between layouts: the 2 processes' shard states merged (what a checkpoint
+    # saves) position a 1-process iterator, and the 1-process state positions each process.
+    merged = pipeline.merge_states(p.get_state() for p in procs)
+    assert merged == one.get_state()
     fresh = pipeline.ShardedIterator(two_shards, tokenizer, sources)
     fresh.set_state(merged)
     assert fresh.get_state() == one.get_state() and fresh.step == 3

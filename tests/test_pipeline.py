@@ -16,7 +16,8 @@ import pytest
 
 from albert_jax import files
 from albert_jax.data import cache, corpus, pipeline, sentences, shard
-from albert_jax.data.pipeline import DataConfig, DocumentSource, PretrainingIterator
+from albert_jax.data.data_config import DataConfig, DocumentSource, sources_from_spec
+from albert_jax.data.shard import PretrainingIterator
 from albert_jax.data.tokenizer import Tokenizer
 
 KEYS_INT = ("input_ids", "segment_ids", "input_mask", "masked_lm_positions", "masked_lm_ids")
@@ -130,13 +131,12 @@ def test_workers_do_not_change_batches(tokenizer, sources, cache_dir):
         parallel_it.close()
 
 
-def test_processes_read_disjoint_documents(tokenizer, sources, cache_dir):
+def test_shards_read_disjoint_documents(tokenizer, sources, cache_dir):
     its = [
-        make({}, tokenizer, sources[:1], cache_dir, process_index=p, process_count=2)
-        for p in range(2)
+        make({}, tokenizer, sources[:1], cache_dir, shard_index=p, num_shards=2) for p in range(2)
     ]
     corpora = [
-        pipeline.load_tokenized(
+        cache.load_tokenized(
             sources[0],
             tokenizer,
             split="train",
@@ -153,7 +153,7 @@ def test_processes_read_disjoint_documents(tokenizer, sources, cache_dir):
     assert docs[0] and docs[1] and not docs[0] & docs[1]
     for p, it in enumerate(its):
         batch = next(it)
-        assert batch["input_ids"].shape == (8, 128)  # per-host batch = global / 2
+        assert batch["input_ids"].shape == (8, 128)  # per-shard batch = global / 2
         ids = np.where(batch["input_mask"] > 0, batch["input_ids"], 0)
         real = batch["masked_lm_weights"] > 0  # undo the masking: original ids back in place
         ids[np.nonzero(real)[0], batch["masked_lm_positions"][real]] = batch["masked_lm_ids"][real]
@@ -261,8 +261,8 @@ def test_config_from_configdict_and_errors(tokenizer, sources, cache_dir):
     with pytest.raises(ValueError, match="sop_single_segment"):
         DataConfig.from_config(c)
 
-    with pytest.raises(ValueError, match="process_count"):
-        make({"batch_size": 15}, tokenizer, sources, cache_dir, process_count=2, process_index=0)
+    with pytest.raises(ValueError, match="batch_size=15 must be a positive multiple of the"):
+        make({"batch_size": 15}, tokenizer, sources, cache_dir, num_shards=2, shard_index=0)
     with pytest.raises(ValueError, match="objective"):
         make({"objective": "mlm"}, tokenizer, sources, cache_dir)
     with pytest.raises(ValueError, match="weights"):
@@ -352,7 +352,7 @@ def test_cache_paths_do_not_depend_on_the_working_directory(tokenizer, tmp_path,
 
     def where(cwd, data_dir: str, inputs: str, cache_dir: str | None = None) -> tuple[str, str]:
         monkeypatch.chdir(cwd)
-        [source] = pipeline.sources_from_spec(f"documents={inputs}", data_dir)
+        [source] = sources_from_spec(f"documents={inputs}", data_dir)
         directory = cache.cache_dir_for(cache_dir, data_dir)
         return directory, cache.cache_path(directory, source, "train", 0, 1, tokenizer)
 
@@ -375,7 +375,7 @@ def test_cache_paths_do_not_depend_on_the_working_directory(tokenizer, tmp_path,
 
 def _load_one_shard(source, tokenizer, cache_dir):
     """The whole train split of `source` as one cache entry: (corpus, stats, entry dir)."""
-    return pipeline.load_tokenized(
+    return cache.load_tokenized(
         source, tokenizer, split="train", shard_index=0, shard_count=1, cache_dir=cache_dir
     )
 

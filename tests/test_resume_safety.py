@@ -5,11 +5,15 @@ of the newest step (the run falls back to step 4 and trains to the same state an
 uninterrupted run reaches), an emptied `data/metadata` with `resume_strict` (the run stops and
 names the directory), a config of another model (one message naming the differing fields,
 `config.json` kept), and a disk that refuses the writes of a save (the run stops at that
-save, naming step and path; the earlier checkpoints restore).
+save, naming step and path; the earlier checkpoints restore). Also: the data position in the
+formats older checkpoints hold resumes exactly, and a start builds and validates the data
+settings once.
 """
 
 from __future__ import annotations
 
+import collections
+import json
 import os
 import pathlib
 import shutil
@@ -28,6 +32,7 @@ from test_train import (
 )
 
 from albert_jax import checkpointing, train
+from albert_jax.data.data_config import DataConfig
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +138,70 @@ def test_failed_save_stops_the_run_naming_step_and_path(corpus, trained, tmp_pat
         params = checkpoints.restore_numpy(8, "params")
     assert_trees_equal(params, final_state(trained, 8)[0])
     assert np.isfinite(max(losses_by_step(workdir).values()))
+
+
+# ----------------------------------------------------------------------------------------------
+# The data position
+
+
+def _old_format(state, key):
+    """A data state of the current format (`ShardedIterator.get_state`, merged) written the way
+    older checkpoints of this repo held it: a list of shard states under `states`, with their
+    number under `num_shards` (since data shards) or `process_count` (before)."""
+    shards = [state["shards"][str(i)] for i in range(state["num_shards"])]
+    return {key: state["num_shards"], "states": shards}
+
+
+@pytest.mark.parametrize("key", ["num_shards", "process_count"])
+def test_data_states_of_older_checkpoints_resume_exactly(corpus, trained, tmp_path, key, caplog):
+    workdir = _copy(trained, tmp_path)
+    shutil.rmtree(_step_dir(workdir, 8))  # resume from step 4
+    metadata = pathlib.Path(_step_dir(workdir, 4), "data", "metadata")
+    state = json.loads(metadata.read_text())
+    assert (state["step"], state["num_shards"], list(state["shards"])) == (4, 1, ["0"])
+    metadata.write_text(json.dumps(_old_format(state, key)))
+    result = train.train_and_evaluate(make_config(small_overrides(corpus)), workdir)
+    assert result["step"] == 8
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("recomputing the input position" in m for m in messages), messages
+    assert_trees_equal(final_state(workdir, 8)[0], final_state(trained, 8)[0])
+    assert losses_by_step(workdir) == losses_by_step(trained)
+    with checkpointing.Checkpointer(workdir, read_only=True) as checkpoints:
+        saved = checkpoints.read_json(8, "data")  # in today's format
+    assert (saved["step"], saved["num_shards"], list(saved["shards"])) == (8, 1, ["0"])
+
+
+def _count_data_configs(monkeypatch):
+    """Counts every `DataConfig` built and every validation of one (our own methods, wrapped)."""
+    counts = collections.Counter()
+    build, validate = DataConfig.__init__, DataConfig.validate
+
+    def counted_build(self, *args, **kwargs):
+        counts["built"] += 1
+        build(self, *args, **kwargs)
+
+    def counted_validate(self, *args, **kwargs):
+        counts["validated"] += 1
+        return validate(self, *args, **kwargs)
+
+    monkeypatch.setattr(DataConfig, "__init__", counted_build)
+    monkeypatch.setattr(DataConfig, "validate", counted_validate)
+    return counts
+
+
+def test_a_start_builds_and_validates_the_data_config_once(
+    corpus, trained, tmp_path, monkeypatch, caplog
+):
+    """A fresh start and a resumed one (training stream, held-out set, saved position) each
+    build `DataConfig` once and validate it once (`train_config.validate_config`)."""
+    config = make_config({**small_overrides(corpus), "eval_every_steps": 8, "eval_batches": 1})
+    counts = _count_data_configs(monkeypatch)
+    result = train.train_and_evaluate(config, str(tmp_path / "fresh"))
+    assert "eval_mlm_loss" in result and result["step"] == 8
+    assert counts == {"built": 1, "validated": 1}
+    counts.clear()
+    resumed = _copy(trained, tmp_path)  # finished at step 8: start, restore, nothing to train
+    assert train.train_and_evaluate(config, resumed)["step"] == 8
+    assert counts == {"built": 1, "validated": 1}
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("recomputing the input position" in m for m in messages), messages

@@ -24,6 +24,7 @@ from albert_jax import metrics_writer, train
 from albert_jax.analysis import sop_table
 from albert_jax.data import batches, pipeline
 from albert_jax.data.corpus import iter_jsonl_documents, tokenize_documents
+from albert_jax.data.data_config import DataConfig
 from albert_jax.data.instances import (
     A_HI,
     A_LO,
@@ -142,7 +143,7 @@ def test_batches_carry_the_kind(austen, corpus):
     )  # fmt: skip
     assert batch["pair_kind"].dtype == np.int32
     np.testing.assert_array_equal(batch["pair_kind"], rows[:, KIND])
-    cfg = pipeline.DataConfig(
+    cfg = DataConfig(
         seq_len=32, max_predictions_per_seq=5, batch_size=16, objective="nsp",
         sources=corpus["sources"], data_dir=corpus["data_dir"],
     )  # fmt: skip

@@ -20,7 +20,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from albert_jax import files
-from albert_jax.data import cache, pipeline, sources
+from albert_jax.data import cache, data_config, sources
 from albert_jax.data.builders import Documents, DocumentsConfig, counters
 from albert_jax.data.builders.base import file_format_for
 from albert_jax.data.sources import (
@@ -425,7 +425,7 @@ def test_tokenized_cache_follows_a_rebuild(tokenizer, tmp_path):
     spec = f"documents/t={corpus}"
 
     def tokenized() -> dict:
-        [source] = pipeline.sources_from_spec(spec, data_dir)
+        [source] = data_config.sources_from_spec(spec, data_dir)
         _, stats, _ = cache.load_tokenized(
             source, tokenizer, split="train", shard_index=0, shard_count=1,
             cache_dir=str(tmp_path / "cache"),

@@ -213,7 +213,7 @@ def test_cli_unshare_then_pretraining_continues_at_the_shared_loss(corpus, tmp_p
     layout = train.validate_config(shared_config)
     mesh = create_mesh(layout.mesh_shape, devices=layout.devices)
     objective = train.Pretraining(
-        shared_config, str(tmp_path / "unused"), layout.model_config, mesh,
+        shared_config, str(tmp_path / "unused"), layout, mesh,
         Tokenizer(corpus["tokenizer"]),
     )  # fmt: skip
     try:

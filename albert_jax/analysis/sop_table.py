@@ -68,7 +68,7 @@ def read_run(workdir: str) -> tuple[Any, Any]:
 
 def data_config_for(config: Any, task: str) -> Any:
     """The run's `DataConfig` with `objective=task`, built in this process (no workers)."""
-    from albert_jax.data.pipeline import DataConfig
+    from albert_jax.data.data_config import DataConfig
 
     return DataConfig.from_config(config, objective=task, num_workers=0)
 

@@ -47,8 +47,10 @@ class DataConfig:
     _ALIASES = {"max_ngram": "ngram"}
 
     @classmethod
-    def from_config(cls, config: Any, **overrides: Any) -> DataConfig:
-        """Reads a config-like object (ml_collections / dataclass / dict).
+    def from_config(cls, config: Any, *, process_count: int = 1, **overrides: Any) -> DataConfig:
+        """Reads a config-like object (ml_collections / dataclass / dict) and validates it for
+        a run of `process_count` processes: the one place a run builds and checks its data
+        settings (`train_config.validate_config`); the iterators take them as they are.
 
         Top-level: seq_len, max_predictions_per_seq, batch_size, objective, seed. In `data`
         (or top-level): sources, data_dir, cache_dir, short_seq_prob, masked_lm_prob,
@@ -67,7 +69,7 @@ class DataConfig:
                         values[name] = value
         values.update(overrides)
         cfg = cls(**values)
-        cfg.validate()
+        cfg.validate(process_count)
         return cfg
 
     def semantic(self) -> dict[str, Any]:
@@ -80,6 +82,8 @@ class DataConfig:
         return self.num_shards or process_count
 
     def validate(self, process_count: int = 1) -> None:
+        """Raises ValueError naming the first bad field (for a run of `process_count`
+        processes: the shard layout of `check_shards`)."""
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES} (got {self.objective!r})")
         if self.sop_single_segment not in SINGLE_SEGMENT_MODES:
@@ -103,19 +107,24 @@ class DataConfig:
             raise ValueError(
                 f"num_shards must be >= 0 (0 = one per process), got {self.num_shards}"
             )
-        shards = self.shard_count(process_count)
-        if shards % process_count:
-            raise ValueError(
-                f"num_shards={self.num_shards} must be a multiple of process_count="
-                f"{process_count}: every process reads the same number of data shards"
-            )
-        if self.batch_size < 1 or self.batch_size % shards:
-            raise ValueError(
-                f"batch_size={self.batch_size} must be a positive multiple of the number of data "
-                f"shards {shards} (num_shards={self.num_shards}, process_count={process_count})"
-            )
         if self.num_workers < 0:
             raise ValueError(f"num_workers must be >= 0 (got {self.num_workers})")
+        check_shards(self.shard_count(process_count), process_count, self.batch_size)
+
+
+def check_shards(num_shards: int, process_count: int, batch_size: int) -> None:
+    """Raises ValueError unless `num_shards` data shards can be shared evenly by
+    `process_count` processes and split a global batch of `batch_size` sequences evenly."""
+    if num_shards < 1 or num_shards % process_count:
+        raise ValueError(
+            f"num_shards={num_shards} must be a multiple of process_count={process_count}: "
+            "every process reads the same number of data shards"
+        )
+    if batch_size < 1 or batch_size % num_shards:
+        raise ValueError(
+            f"batch_size={batch_size} must be a positive multiple of the number of data shards "
+            f"{num_shards} (process_count={process_count})"
+        )
 
 
 def _get(obj: Any, name: str) -> Any:

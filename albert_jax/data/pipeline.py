@@ -8,7 +8,7 @@ data). Process `p` of `n` reads the contiguous shards `[p·k, (p+1)·k)`, `k = n
 process with two shards sees exactly the batches that two processes with one shard each see
 together, and a checkpoint of one layout resumes in the other.
 
-One shard (`PretrainingIterator`, whose `process_index` / `process_count` name the shard):
+One shard (`PretrainingIterator`, shard `shard_index` of `num_shards`):
 
 * **Tokenized cache** (`cache.py`). Each source's documents of the shard
   (`iter_documents(..., shard_index=i, shard_count=num_shards)`, so shards hold disjoint
@@ -27,11 +27,13 @@ One shard (`PretrainingIterator`, whose `process_index` / `process_count` name t
   `(seed, i, s)`: every visit of an instance gets a fresh mask, and the batch does not depend on
   the number of worker processes (a worker builds whole batches).
 
-State (`get_state()`) is a small JSON-able dict: the next step plus, per source, the examples
-served and the current epoch and its first position, so a restore does not rebuild earlier
-epochs. `PretrainingIterator(..., start_step=k)` without a state reaches the same position by
+The position is the iterator's own: `ShardedIterator.get_state()` is `{"step", "num_shards",
+"shards": {"<i>": state of shard i}}`, a small JSON-able dict (per shard the next step, and per
+source the examples served and the current epoch and its first position, so a restore does not
+rebuild earlier epochs). The processes' states merged (`merge_states`) are what a checkpoint
+saves, and `ShardedIterator.restore` positions a run from one, on any number of processes that
+can share its shards. Without a usable state, `start_step=k` reaches the same position by
 counting (it rebuilds the epoch tables up to there, which is cheap for small corpora).
-`ShardedIterator` states hold one such state per shard.
 
 Held-out batches (`EvalBatches`) come from the same machinery with another seed; a shard
 without held-out documents (more shards than validation documents) yields padding rows with
@@ -39,45 +41,24 @@ without held-out documents (more shards than validation documents) yields paddin
 
 Modules: `data_config` (DataConfig, DocumentSource), `cache` (the tokenized cache), `streams`
 (instance streams, mixture), `shard` (PretrainingIterator, BatchBuilder), and this one (the
-process's shards, evaluation batches); the names other modules use are all importable here.
+process's shards and their position, evaluation batches).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from absl import logging
 
 from albert_jax.data import cache
-from albert_jax.data.cache import EmptyShardError, cache_path, load_tokenized
-from albert_jax.data.data_config import DataConfig, DocumentSource, sources_from_spec
-from albert_jax.data.shard import BatchBuilder, PretrainingIterator
-from albert_jax.data.streams import InstanceStream, Mixture
+from albert_jax.data.data_config import DataConfig, DocumentSource, check_shards, sources_from_spec
+from albert_jax.data.shard import PretrainingIterator
 
 if TYPE_CHECKING:
     from albert_jax.data.tokenizer import Tokenizer
-
-__all__ = [
-    "BatchBuilder",
-    "DataConfig",
-    "DocumentSource",
-    "EmptyShardError",
-    "EvalBatches",
-    "InstanceStream",
-    "Mixture",
-    "PretrainingIterator",
-    "ShardedIterator",
-    "cache_path",
-    "load_tokenized",
-    "make_eval_iterator",
-    "make_pretraining_iterator",
-    "owned_shards",
-    "padding_batch",
-    "sources_from_spec",
-]
 
 _EVAL_SEED_OFFSET = 0x5EED
 
@@ -108,14 +89,16 @@ def owned_shards(num_shards: int, process_index: int, process_count: int) -> ran
 class ShardedIterator:
     """Endless iterator of one process's batches: its shards' batches concatenated.
 
-    Process `process_index` of `process_count` reads shards `owned_shards(...)` of
-    `cfg.shard_count(process_count)`; each batch holds `batch_size / process_count` sequences,
-    rows of shard i before those of shard i+1. The global batch (all processes' batches in
-    process order) depends on `num_shards`, never on `process_count`.
+    Process `process_index` of `process_count` reads shards `owned_shards(...)` of `num_shards`
+    (default: `cfg.shard_count(process_count)`; a resumed run keeps its checkpoint's, see
+    `restore`); each batch holds `batch_size / process_count` sequences, rows of shard i before
+    those of shard i+1. The global batch (all processes' batches in process order) depends on
+    `num_shards`, never on `process_count`. `cfg` is taken as validated
+    (`DataConfig.from_config`).
 
     `get_state()` is `{"step", "num_shards", "shards": {"<i>": state of shard i}}` for the
-    owned shards; `set_state` accepts such a state holding (at least) the owned shards, e.g.
-    the union of every process's states that a checkpoint keeps.
+    owned shards; `merge_states` of every process's is the state a checkpoint saves.
+    `set_state` accepts such a state holding (at least) the owned shards.
     """
 
     def __init__(
@@ -127,29 +110,28 @@ class ShardedIterator:
         split: str = "train",
         process_index: int = 0,
         process_count: int = 1,
+        num_shards: int = 0,
         start_step: int = 0,
         seed: int | None = None,
     ):
-        cfg.validate(process_count)
-        self.num_shards = cfg.shard_count(process_count)
+        self.num_shards = num_shards or cfg.shard_count(process_count)
+        check_shards(self.num_shards, process_count, cfg.batch_size)
         self.shards = owned_shards(self.num_shards, process_index, process_count)
         self.batch_size = cfg.batch_size // process_count
         # Worker processes are split between the shards (each shard builds whole batches).
         workers_per_shard = -(-cfg.num_workers // len(self.shards)) if cfg.num_workers else 0
-        shard_cfg = DataConfig(
-            **{**asdict(cfg), "num_shards": self.num_shards, "num_workers": workers_per_shard}
-        )
         self._iterators: list[PretrainingIterator] = []
         try:
-            for shard in self.shards:
+            for shard_index in self.shards:
                 self._iterators.append(
                     PretrainingIterator(
-                        shard_cfg,
+                        cfg,
                         tokenizer,
                         sources,
                         split=split,
-                        process_index=shard,
-                        process_count=self.num_shards,
+                        shard_index=shard_index,
+                        num_shards=self.num_shards,
+                        num_workers=workers_per_shard,
                         start_step=start_step,
                         seed=seed,
                     )
@@ -158,6 +140,53 @@ class ShardedIterator:
             self.close()
             raise
         self._batches = 0
+
+    @classmethod
+    def restore(
+        cls,
+        cfg: DataConfig,
+        tokenizer: Tokenizer,
+        sources: Sequence[DocumentSource],
+        *,
+        step: int,
+        saved: Any,
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> ShardedIterator:
+        """The training iterator of a run after `step` steps, from `saved`: the data state of
+        its checkpoint (None for a fresh run).
+
+        The number of shards is `cfg.num_shards` when set, else the checkpoint's when the
+        processes can share it (so that a run resumed on another number of processes keeps its
+        data order), else one per process. The position comes from the saved shard states
+        when they fit (O(1)); otherwise (another data config, another shard count, no state)
+        it is counted at `step`, which gives the same batches (the batch of a step is a pure
+        function of the step).
+
+        `saved` may be a state of `get_state`'s format, or of the two formats this repo's
+        checkpoints held before it: `{"num_shards": n, "states": [state of shard 0, ...]}`
+        and, before data shards existed, `{"process_count": n, "states": [...]}` (one shard per
+        process). Both resume; anything else is counted.
+        """
+        state = _as_state(saved)
+        num_shards = _num_shards(
+            cfg, state["num_shards"] if state else None, process_count=process_count
+        )
+        where = dict(process_index=process_index, process_count=process_count)
+        iterator = cls(cfg, tokenizer, sources, num_shards=num_shards, **where)
+        if state is None and step == 0:
+            return iterator  # a fresh run
+        if state is not None and state["num_shards"] == num_shards:
+            try:
+                iterator.set_state(state)
+                if iterator.step == step:
+                    return iterator
+                logging.warning("saved data state is at step %d, not %d", iterator.step, step)
+            except ValueError as e:
+                logging.warning("saved data state not usable (%s)", e)
+        logging.warning("recomputing the input position of step %d", step)
+        iterator.close()
+        return cls(cfg, tokenizer, sources, num_shards=num_shards, start_step=step, **where)
 
     @property
     def step(self) -> int:
@@ -211,6 +240,67 @@ class ShardedIterator:
             it.close()
 
 
+def merge_states(states: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The `ShardedIterator` states of every process of a run -> one state of all its shards
+    (what a checkpoint saves; every process must be at the same step).
+
+    Raises:
+      ValueError: the states disagree on the number of shards or the step.
+    """
+    states = list(states)
+    layouts = {(s["num_shards"], s["step"]) for s in states}
+    if len(layouts) != 1:
+        raise ValueError(f"merge_states: (num_shards, step) differ: {sorted(layouts)}")
+    shards: dict[str, Any] = {}
+    for state in states:
+        shards.update(state["shards"])
+    [(num_shards, step)] = layouts
+    ordered = sorted(shards.items(), key=lambda item: int(item[0]))
+    return {"step": step, "num_shards": num_shards, "shards": dict(ordered)}
+
+
+def _as_state(saved: Any) -> dict[str, Any] | None:
+    """A checkpoint's data item as a `ShardedIterator` state (see `ShardedIterator.restore`
+    for the formats read), or None when it holds no shard states."""
+    if not isinstance(saved, Mapping):
+        return None
+    if saved.get("shards") and saved.get("num_shards"):
+        return dict(saved)
+    states = saved.get("states")
+    num_shards = saved.get("num_shards", saved.get("process_count"))
+    if not states or not num_shards or not all(isinstance(s, Mapping) for s in states):
+        return None
+    return {
+        "step": states[0].get("step"),
+        "num_shards": int(num_shards),
+        "shards": {str(i): state for i, state in enumerate(states)},
+    }
+
+
+def _num_shards(cfg: DataConfig, saved: int | None, *, process_count: int) -> int:
+    """The number of data shards of a run (see `ShardedIterator.restore`)."""
+    if cfg.num_shards:
+        if saved and saved != cfg.num_shards:
+            logging.warning(
+                "config.data.num_shards=%d but the checkpoint's data has %d shards: the data "
+                "order changes from here on", cfg.num_shards, saved
+            )  # fmt: skip
+        return cfg.num_shards
+    if not saved:
+        return process_count
+    try:
+        check_shards(saved, process_count, cfg.batch_size)
+        return saved
+    except ValueError as e:
+        logging.warning(
+            "the checkpoint's data has %d shards, which this run cannot use (%s): using %d "
+            "shards, one per process, so the data order changes from here on (set "
+            "config.data.num_shards to a multiple of the process count that divides the batch "
+            "size to avoid this)", saved, e, process_count
+        )  # fmt: skip
+        return process_count
+
+
 def make_pretraining_iterator(
     config_like: Any,
     tokenizer: Tokenizer,
@@ -223,12 +313,11 @@ def make_pretraining_iterator(
 ) -> ShardedIterator:
     """Training batches for this host: `next(it)` is the batch of step `it.step`.
 
-    `config_like` is read by `DataConfig.from_config`; `sources` overrides the spec in
-    `config.data.sources` (otherwise read through `albert_jax.data.sources`).
+    `config_like` is a `DataConfig` or a config `DataConfig.from_config` reads; `sources`
+    overrides the spec in `config.data.sources` (otherwise read through
+    `albert_jax.data.sources`).
     """
-    cfg = (
-        config_like if isinstance(config_like, DataConfig) else DataConfig.from_config(config_like)
-    )
+    cfg = _data_config(config_like, process_count)
     if sources is None:
         sources = sources_from_spec(cfg.sources, cfg.data_dir)
     return ShardedIterator(
@@ -270,8 +359,10 @@ class EvalBatches:
     """A fixed list of `num_batches` held-out batches of one process: every iteration yields
     the same ones.
 
-    Like `ShardedIterator` (same shards, another seed), plus `example_weight [B] float32`: 1 for
-    a real sequence, 0 for padding. A shard whose split holds no document of a source reads the
+    Like `ShardedIterator` (same shards, another seed; `num_shards` 0:
+    `cfg.shard_count(process_count)`), built in this process (eval is small, and this keeps no
+    worker pool alive between evaluations), plus `example_weight [B] float32`: 1 for a real
+    sequence, 0 for padding. A shard whose split holds no document of a source reads the
     other sources only; one with no document at all yields padding rows. So every process runs
     `num_batches` evaluation steps whatever its shards hold, and weighted sums over the steps
     count real sequences only.
@@ -287,39 +378,39 @@ class EvalBatches:
         num_batches: int,
         process_index: int,
         process_count: int,
+        num_shards: int = 0,
     ):
         if num_batches < 1:
             raise ValueError(f"num_batches must be >= 1 (got {num_batches})")
-        cfg.validate(process_count)
         self.num_batches = num_batches
-        num_shards = cfg.shard_count(process_count)
+        num_shards = num_shards or cfg.shard_count(process_count)
+        check_shards(num_shards, process_count, cfg.batch_size)
         self.shards = owned_shards(num_shards, process_index, process_count)
-        # In-process building: eval is small, and this keeps no pool alive between evals.
-        eval_cfg = DataConfig(**{**asdict(cfg), "num_workers": 0, "num_shards": num_shards})
         self._padding = padding_batch(
             cfg.batch_size // num_shards, cfg.seq_len, cfg.max_predictions_per_seq, tokenizer.cls_id
         )
         self._iterators: list[PretrainingIterator | None] = []
-        for shard in self.shards:
+        for shard_index in self.shards:
 
-            def make(shard_sources: Sequence[DocumentSource], shard: int = shard):
+            def make(shard_sources: Sequence[DocumentSource], shard_index: int = shard_index):
                 return PretrainingIterator(
-                    eval_cfg,
+                    cfg,
                     tokenizer,
                     shard_sources,
                     split=split,
-                    process_index=shard,
-                    process_count=num_shards,
+                    shard_index=shard_index,
+                    num_shards=num_shards,
+                    num_workers=0,
                     seed=cfg.seed + _EVAL_SEED_OFFSET,
                 )
 
             try:
                 self._iterators.append(make(sources))
-            except EmptyShardError:
+            except cache.EmptyShardError:
                 present = [
                     src
                     for src in (sources if len(sources) > 1 else ())
-                    if _has_documents(src, tokenizer, eval_cfg, split, shard)
+                    if _has_documents(src, tokenizer, cfg, split, shard_index, num_shards)
                 ]
                 self._iterators.append(make(present) if present else None)
         self._starts = [it.get_state() if it else None for it in self._iterators]
@@ -353,19 +444,25 @@ class EvalBatches:
 
 
 def _has_documents(
-    source: DocumentSource, tokenizer: Tokenizer, cfg: DataConfig, split: str, shard: int
+    source: DocumentSource,
+    tokenizer: Tokenizer,
+    cfg: DataConfig,
+    split: str,
+    shard_index: int,
+    num_shards: int,
 ) -> bool:
-    """Whether `source` has a non-empty document in shard `shard` of `split` (cached)."""
+    """Whether `source` has a non-empty document in shard `shard_index` of `num_shards` of
+    `split` (cached)."""
     try:
-        load_tokenized(
+        cache.load_tokenized(
             source,
             tokenizer,
             split=split,
-            shard_index=shard,
-            shard_count=cfg.shard_count(),
+            shard_index=shard_index,
+            shard_count=num_shards,
             cache_dir=cache.cache_dir_for(cfg.cache_dir, cfg.data_dir),
         )
-    except EmptyShardError:
+    except cache.EmptyShardError:
         return False
     return True
 
@@ -380,10 +477,9 @@ def make_eval_iterator(
     process_count: int = 1,
     sources: Sequence[DocumentSource] | None = None,
 ) -> EvalBatches:
-    """Held-out batches (same shapes as training), identical on every call/iteration."""
-    cfg = (
-        config_like if isinstance(config_like, DataConfig) else DataConfig.from_config(config_like)
-    )
+    """Held-out batches (same shapes as training), identical on every call/iteration;
+    `config_like` and `sources` as in `make_pretraining_iterator`."""
+    cfg = _data_config(config_like, process_count)
     if sources is None:
         sources = sources_from_spec(cfg.sources, cfg.data_dir)
     return EvalBatches(
@@ -395,3 +491,9 @@ def make_eval_iterator(
         process_index=process_index,
         process_count=process_count,
     )
+
+
+def _data_config(config_like: Any, process_count: int) -> DataConfig:
+    if isinstance(config_like, DataConfig):
+        return config_like
+    return DataConfig.from_config(config_like, process_count=process_count)

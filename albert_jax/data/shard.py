@@ -14,6 +14,7 @@ import numpy as np
 from albert_jax.data import cache, workers
 from albert_jax.data.batches import build_batch
 from albert_jax.data.corpus import TokenizedCorpus
+from albert_jax.data.data_config import check_shards
 from albert_jax.data.streams import TAG_MASK, InstanceStream, Mixture, stable_id
 
 if TYPE_CHECKING:
@@ -96,14 +97,14 @@ class BatchBuilder:
 
 
 class PretrainingIterator:
-    """Endless iterator of one data shard's batches (the batch contract of `data.pipeline`).
+    """Endless iterator of the batches of data shard `shard_index` of `num_shards` (the batch
+    contract of `data.pipeline`); `ShardedIterator` runs one per shard of a process. Each batch
+    holds `batch_size / num_shards` sequences. `cfg` is taken as validated
+    (`DataConfig.from_config`); its `num_shards` and `num_workers` are the run's settings, the
+    shard and its workers (`num_workers`, default `cfg.num_workers`) are given here.
 
-    `process_index` / `process_count` name the shard and the number of shards: with one shard
-    per process (the default) that is the process; `ShardedIterator` gives a process several.
-    Each batch holds `batch_size / process_count` sequences.
-
-    `get_state()` returns a JSON-able dict to save with a checkpoint; `set_state(state)` makes
-    the next batch the one an uninterrupted run would produce after that checkpoint.
+    `get_state()` returns a JSON-able dict (the shard's part of a `ShardedIterator` state);
+    `set_state(state)` makes the next batch the one an uninterrupted run would produce after it.
 
     Raises:
       cache.EmptyShardError: a source has no document in this shard of `split`.
@@ -116,21 +117,17 @@ class PretrainingIterator:
         sources: Sequence[DocumentSource],
         *,
         split: str = "train",
-        process_index: int = 0,
-        process_count: int = 1,
+        shard_index: int = 0,
+        num_shards: int = 1,
+        num_workers: int | None = None,
         start_step: int = 0,
         seed: int | None = None,
     ):
-        cfg.validate(process_count)
-        if cfg.num_shards and cfg.num_shards != process_count:
-            raise ValueError(
-                f"PretrainingIterator reads one shard of process_count={process_count} shards but "
-                f"num_shards={cfg.num_shards}: use ShardedIterator for a process's shards"
-            )
+        check_shards(num_shards, 1, cfg.batch_size)
         if not sources:
             raise ValueError("sources is empty: set config.data.sources")
-        if not 0 <= process_index < process_count:
-            raise ValueError(f"process_index={process_index} not in [0, {process_count})")
+        if not 0 <= shard_index < num_shards:
+            raise ValueError(f"shard_index={shard_index} not in [0, {num_shards})")
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0 (got {start_step})")
         names = [s.name for s in sources]
@@ -138,9 +135,10 @@ class PretrainingIterator:
             raise ValueError(f"source names must be unique (got {names})")
         self.cfg = cfg
         self.split = split
-        self.process_index = process_index
-        self.process_count = process_count
-        self.batch_size = cfg.batch_size // process_count
+        self.shard_index = shard_index
+        self.num_shards = num_shards
+        self.num_workers = cfg.num_workers if num_workers is None else num_workers
+        self.batch_size = cfg.batch_size // num_shards
         self.seed = cfg.seed if seed is None else seed
         self.source_names = names
         cache_dir = cache.cache_dir_for(cfg.cache_dir, cfg.data_dir)
@@ -150,25 +148,25 @@ class PretrainingIterator:
                 src,
                 tokenizer,
                 split=split,
-                shard_index=process_index,
-                shard_count=process_count,
+                shard_index=shard_index,
+                shard_count=num_shards,
                 cache_dir=cache_dir,
-                num_workers=cfg.num_workers,
+                num_workers=self.num_workers,
             )
             corpora.append(corpus)
             dirs.append(path)
             self._build_counters.append(counters)
         self._streams = [
             InstanceStream(
-                c, cfg, seed=self.seed, source_id=stable_id(s.name), process_index=process_index
+                c, cfg, seed=self.seed, source_id=stable_id(s.name), shard_index=shard_index
             )
             for c, s in zip(corpora, sources, strict=True)
         ]
         self._mixture = Mixture(
-            [s.weight for s in sources], seed=self.seed, process_index=process_index
+            [s.weight for s in sources], seed=self.seed, shard_index=shard_index
         )
         self._builder = BatchBuilder(
-            cfg, tokenizer, dirs, mask_key=(self.seed, TAG_MASK, process_index)
+            cfg, tokenizer, dirs, mask_key=(self.seed, TAG_MASK, shard_index)
         )
         self._builder._corpora = corpora
         self._fingerprint = hashlib.sha256(
@@ -177,8 +175,8 @@ class PretrainingIterator:
                     cfg.semantic() | {"seed": self.seed},
                     names,
                     split,
-                    process_index,
-                    process_count,
+                    shard_index,
+                    num_shards,
                     tokenizer.fingerprint,
                 ],
                 sort_keys=True,
@@ -266,14 +264,14 @@ class PretrainingIterator:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        if self.cfg.num_workers == 0:
+        if self.num_workers == 0:
             task, self._state = self._plan(self._state)
             self._plan_state = self._state
             batch = self._builder(task)
         else:
             if self._pool is None:
-                self._pool = workers.WorkerPool(self._builder, self.cfg.num_workers)
-            while len(self._pending) < self.cfg.num_workers * self.cfg.prefetch:
+                self._pool = workers.WorkerPool(self._builder, self.num_workers)
+            while len(self._pending) < self.num_workers * self.cfg.prefetch:
                 task, self._plan_state = self._plan(self._plan_state)
                 self._pending.append((self._pool.submit(task), self._plan_state))
             future, after = self._pending.popleft()

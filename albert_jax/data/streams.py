@@ -38,11 +38,11 @@ class InstanceStream:
         *,
         seed: int,
         source_id: int,
-        process_index: int,
+        shard_index: int,
     ):
         self.corpus = corpus
         self.cfg = cfg
-        self._key = (seed, TAG_EPOCH, source_id, process_index)
+        self._key = (seed, TAG_EPOCH, source_id, shard_index)
         self._tables: dict[int, np.ndarray] = {}
         self.counters: Counter = Counter()
 
@@ -91,13 +91,13 @@ class InstanceStream:
 class Mixture:
     """Which source each example slot reads from: p(source k) = weight_k / sum(weights)."""
 
-    def __init__(self, weights: Sequence[float], *, seed: int, process_index: int):
+    def __init__(self, weights: Sequence[float], *, seed: int, shard_index: int):
         w = np.asarray(weights, np.float64)
         if len(w) == 0 or np.any(~np.isfinite(w)) or np.any(w <= 0):
             raise ValueError(f"source weights must be positive and finite (got {list(weights)})")
         self.num_sources = len(w)
         self._cdf = np.cumsum(w / w.sum())[:-1]
-        self._key = (seed, TAG_MIX, process_index)
+        self._key = (seed, TAG_MIX, shard_index)
         self._block: tuple[int, np.ndarray] | None = None
 
     def block(self, b: int) -> np.ndarray:
