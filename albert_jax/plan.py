@@ -74,8 +74,8 @@ def make_target(tpu: str, num_slices: int = 1) -> Target:
 def _pretraining(config: Any, target: Target) -> tuple[Any, Any, dict[str, Any], float]:
     """(objective, mesh, abstract batch spec {name: (shape, dtype)}, model FLOPs a step)."""
     from albert_jax.model import AlbertForPreTraining
+    from albert_jax.train import PretrainingModel, pretraining_batch_shapes, train_step_flops
     from albert_jax.train_config import validate_config
-    from albert_jax.train_step import PretrainingModel, pretraining_batch_shapes, train_step_flops
 
     layout = validate_config(config, devices=target.devices, processes=target.processes)
     mesh = slice_mesh(layout.mesh_shape, target.devices, target.num_slices)

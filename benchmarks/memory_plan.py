@@ -55,8 +55,11 @@ from albert_jax.sharding import (  # noqa: E402
     create_mesh,
     shard_bytes,
 )
-from albert_jax.train import create_train_state, make_train_step  # noqa: E402
-from albert_jax.train_step import pretraining_batch_shapes  # noqa: E402
+from albert_jax.train import (  # noqa: E402
+    create_train_state,
+    make_train_step,
+    pretraining_batch_shapes,
+)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Pretraining config (get_config).")
 flags.DEFINE_string("mesh", "1,8,1", "data,fsdp,tensor mesh shape to plan for.")

@@ -32,8 +32,8 @@ def start(args: argparse.Namespace) -> dict[str, float]:
     from albert_jax.model import AlbertForPreTraining
     from albert_jax.run_config import with_fields
     from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, create_mesh
+    from albert_jax.train import PretrainingModel, pretraining_batch_shapes
     from albert_jax.train_config import validate_config
-    from albert_jax.train_step import PretrainingModel, pretraining_batch_shapes
     from configs import pretrain
 
     config = with_fields(

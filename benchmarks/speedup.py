@@ -46,6 +46,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from albert_jax import flops, train  # noqa: E402
+from albert_jax.config import model_config_from  # noqa: E402
 from albert_jax.model import AlbertForPreTraining  # noqa: E402
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh  # noqa: E402
 from benchmarks.train_step import make_batch, paired_ratio  # noqa: E402
@@ -101,7 +102,7 @@ class ModelRun:
 
     def __init__(self, name: str, args: argparse.Namespace, batch: dict[str, Any]):
         config = run_config(name, args)
-        model_config = train.model_config_from(config)
+        model_config = model_config_from(config)
         model = AlbertForPreTraining(model_config)
         device = jax.devices()[0]
         self.mesh = create_mesh((1, 1, 1), [device])

@@ -78,7 +78,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from albert_jax import flops, train  # noqa: E402
-from albert_jax.config import ModelConfig  # noqa: E402
+from albert_jax.config import ModelConfig, model_config_from  # noqa: E402
 from albert_jax.model import AlbertForPreTraining  # noqa: E402
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh  # noqa: E402
 from benchmarks import kerashub_peer, torch_peer, trace_summary  # noqa: E402
@@ -172,7 +172,7 @@ def ours(
     config = ours_config(args, scan)
     if remat:
         config.model.remat_policy = remat
-    model_config = train.model_config_from(config)
+    model_config = model_config_from(config)
     model = AlbertForPreTraining(model_config)
     mesh = create_mesh((1, 1, 1), jax.devices()[:1])
     with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
@@ -291,7 +291,7 @@ def kerashub(args: argparse.Namespace, batch: dict[str, Any]) -> dict[str, Any] 
         print("kerashub skipped: the peer is built in float32 only", file=sys.stderr)
         return None
     # Ours' model config, so both have the same parameters (`*_params` in the JSON).
-    model = kerashub_peer.build_model(train.model_config_from(ours_config(args)))
+    model = kerashub_peer.build_model(model_config_from(ours_config(args)))
     if model is None:
         return None
     train_step, state = kerashub_peer.make_train_step(model, peer_adamw(), peer_loss)

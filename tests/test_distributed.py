@@ -49,6 +49,7 @@ from albert_jax.data.data_config import DataConfig, sources_from_spec
 from albert_jax.data.tokenizer import Tokenizer
 from albert_jax.model import AlbertForPreTraining, init_params
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
+from albert_jax.train_config import validate_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, RESUME_STEP = 5, 3  # checkpoints at 3 and 5; the 1-process resume runs steps 4 and 5
@@ -462,7 +463,7 @@ def test_shard_count_is_validated(shard_setup):
         pipeline.ShardedIterator(dataclasses.replace(cfg, num_shards=32), tokenizer, sources)
     config = make_config({"data.num_shards": 3})
     with pytest.raises(ValueError, match="batch_size=32 must be a positive multiple"):
-        train.validate_config(config)
+        validate_config(config)
 
 
 def test_empty_eval_shards_are_padding_that_eval_does_not_count(shard_setup, corpus):

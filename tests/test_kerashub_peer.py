@@ -10,6 +10,7 @@ import jax
 import pytest
 
 from albert_jax import train
+from albert_jax.config import model_config_from
 from albert_jax.model import AlbertForPreTraining
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
 from benchmarks import kerashub_peer, train_step
@@ -22,7 +23,7 @@ ARGS = argparse.Namespace(
 @pytest.fixture(scope="module")
 def setup():
     config = train_step.ours_config(ARGS)
-    model_config = train.model_config_from(config)
+    model_config = model_config_from(config)
     keras_model = kerashub_peer.build_model(model_config)
     if keras_model is None:
         pytest.skip("keras-hub not installed, or Keras already imported on another backend")

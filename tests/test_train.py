@@ -21,6 +21,7 @@ import pytest
 from conftest import main_command
 
 from albert_jax import checkpointing, metrics_writer, train
+from albert_jax.loop import TrainingDivergedError
 from albert_jax.run_config import with_fields
 from configs import pretrain
 
@@ -286,7 +287,7 @@ def test_non_finite_loss_names_the_step_and_last_good_checkpoint(corpus, tmp_pat
     # subprocess runs above, loaded from the session's compilation cache.
     workdir = str(tmp_path / "nan")
     overrides = {**small_overrides(corpus), "checkpoint_every_steps": 2, "debug.nan_at_step": 3}
-    with pytest.raises(train.TrainingDivergedError) as error:
+    with pytest.raises(TrainingDivergedError) as error:
         train.train_and_evaluate(make_config(overrides), workdir)
     message = str(error.value)
     assert message.startswith("non-finite loss, grad_norm"), message

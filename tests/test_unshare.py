@@ -24,6 +24,7 @@ from albert_jax.data.tokenizer import Tokenizer
 from albert_jax.model import AlbertForPreTraining, init_params
 from albert_jax.pretrained import load_pretrained, save_model_dir
 from albert_jax.sharding import create_mesh
+from albert_jax.train_config import validate_config
 from albert_jax.unshare import (
     REPORT_FILES,
     applied_blocks,
@@ -210,7 +211,7 @@ def test_cli_unshare_then_pretraining_continues_at_the_shared_loss(corpus, tmp_p
     assert train.train_and_evaluate(unshared_config, run_none)["step"] == 1
     continued = losses_by_step(run_none)[1]
     shared_config = make_config({**overrides, "model.sharing": "all", "init_from": shared_dir})
-    layout = train.validate_config(shared_config)
+    layout = validate_config(shared_config)
     mesh = create_mesh(layout.mesh_shape, devices=layout.devices)
     objective = train.Pretraining(
         shared_config, str(tmp_path / "unused"), layout, mesh,

@@ -26,8 +26,9 @@ import jax
 import numpy as np
 
 from albert_jax import (  # every module the training and fine-tuning paths import
-    checkpointing, convert, finetune, glue_table, loop, main, pretrained, train, train_step,
+    checkpointing, convert, finetune, glue_table, loop, main, pretrained, train,
 )
+from albert_jax.config import model_config_from
 from albert_jax.model import AlbertForPreTraining
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
 from benchmarks import speedup, train_step as train_step_benchmark  # what a GPU run imports
@@ -40,7 +41,7 @@ config.model.embedding_size, config.model.vocab_size = 16, 100
 config.batch_size, config.seq_len, config.max_predictions_per_seq = 4, 16, 3
 config.warmup_steps = 0
 assert config.optimizer == "lamb"
-model = AlbertForPreTraining(train.model_config_from(config))
+model = AlbertForPreTraining(model_config_from(config))
 mesh = create_mesh((1, 1, 1), jax.devices()[:1])
 rng = np.random.default_rng(0)
 ids = rng.integers(5, 100, size=(4, 16)).astype(np.int32)

@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from albert_jax import checkpointing, files
 from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, create_mesh, put_batch
-from albert_jax.train_step import eval_metrics, majority_accuracies
+from albert_jax.train import eval_metrics, majority_accuracies
 
 Batch = dict[str, np.ndarray]
 
@@ -205,7 +205,7 @@ def _mesh(rows: int) -> Mesh:
 
 
 def evaluate(eval_step: Any, params: Any, batches: Sequence[Mapping[str, jax.Array]]) -> dict:
-    """`eval_metrics` of the sums of a `train_step.make_eval_step` over placed batches: the
+    """`eval_metrics` of the sums of a `train.make_eval_step` over placed batches: the
     held-out metrics the training loop logs (`train.Pretraining.evaluate`)."""
     sums: dict[str, jax.Array] | None = None
     for batch in batches:

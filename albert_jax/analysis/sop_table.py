@@ -16,7 +16,7 @@ batches (the data config and the tokenizer): the rows then see the same held-out
 SOP / NSP head's 2-way output is read as the task's label (0 in order / next, 1 swapped /
 random); the MLM-only run's head was never trained and is measured all the same (the paper's
 "None" row: about chance). Each cell also splits the accuracy by label and by kind of pair
-(`train_step.eval_metrics`: `eval_sop_accuracy_<split>`). Single process; the model runs
+(`train.eval_metrics`: `eval_sop_accuracy_<split>`). Single process; the model runs
 unsharded on the default device (tiny and base models).
 
 Writes DIR/sop_table.json (every metric of every cell, the runs' steps and workdirs) and
@@ -120,13 +120,13 @@ def held_out_batches(config: Any, tokenizer: Any, task: str, num_batches: int) -
 
 
 def evaluate(step: Any, params: Any, batches: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """`train_step.eval_metrics` of the eval sums of `step` (a jitted `make_eval_step`) over
+    """`train.eval_metrics` of the eval sums of `step` (a jitted `make_eval_step`) over
     `batches`: MLM and sentence-level metrics, split by label and kind of pair."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from albert_jax.train_step import eval_metrics
+    from albert_jax.train import eval_metrics
 
     sums = None
     for batch in batches:
@@ -140,7 +140,7 @@ def cross_evaluate(workdirs: Sequence[str], *, eval_batches: int = 0) -> dict[st
     `config.eval_batches`. Returns the table (see `render_markdown`)."""
     import jax
 
-    from albert_jax.train_step import make_eval_step
+    from albert_jax.train import make_eval_step
 
     if not workdirs:
         raise ValueError("--workdirs: no run given")
