@@ -14,12 +14,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import flags
@@ -27,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from albert_jax import checkpointing, files
 from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, create_mesh, put_batch
-from albert_jax.train import eval_metrics, majority_accuracies
+from albert_jax.train import majority_accuracies
 
 Batch = dict[str, np.ndarray]
 
@@ -202,17 +201,6 @@ def _mesh(rows: int) -> Mesh:
     devices = jax.local_devices()
     n = len(devices) if rows % len(devices) == 0 else 1
     return create_mesh((n, 1, 1), devices[:n])
-
-
-def evaluate(eval_step: Any, params: Any, batches: Sequence[Mapping[str, jax.Array]]) -> dict:
-    """`eval_metrics` of the sums of a `train.make_eval_step` over placed batches: the
-    held-out metrics the training loop logs (`train.Pretraining.evaluate`)."""
-    sums: dict[str, jax.Array] | None = None
-    for batch in batches:
-        out = eval_step(params, batch)
-        sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
-    values = {k: np.asarray(v) for k, v in jax.device_get(sums).items()}
-    return {k: float(v) for k, v in eval_metrics(values).items()}
 
 
 def unmasked(batch: Mapping[str, np.ndarray]) -> Batch:

@@ -119,28 +119,12 @@ def held_out_batches(config: Any, tokenizer: Any, task: str, num_batches: int) -
     )
 
 
-def evaluate(step: Any, params: Any, batches: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """`train.eval_metrics` of the eval sums of `step` (a jitted `make_eval_step`) over
-    `batches`: MLM and sentence-level metrics, split by label and kind of pair."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from albert_jax.train import eval_metrics
-
-    sums = None
-    for batch in batches:
-        out = step(params, batch)
-        sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
-    return eval_metrics({k: np.asarray(v) for k, v in jax.device_get(sums).items()})
-
-
 def cross_evaluate(workdirs: Sequence[str], *, eval_batches: int = 0) -> dict[str, Any]:
     """Every run of `workdirs` on every task of `TASKS`. `eval_batches` 0: the first run's
     `config.eval_batches`. Returns the table (see `render_markdown`)."""
     import jax
 
-    from albert_jax.train import make_eval_step
+    from albert_jax.train import evaluate_batches, make_eval_step
 
     if not workdirs:
         raise ValueError("--workdirs: no run given")
@@ -161,7 +145,7 @@ def cross_evaluate(workdirs: Sequence[str], *, eval_batches: int = 0) -> dict[st
         cells = {}
         for task in TASKS:
             logging.info("evaluating %s (trained with %s) on %s", workdir, config.objective, task)
-            cells[task] = evaluate(steps[loaded.config], loaded.params, batches[task])
+            cells[task] = evaluate_batches(steps[loaded.config], loaded.params, batches[task])
         rows.append({"trained": config.objective, "workdir": workdir, "step": loaded.step, **cells})
     sequences = int(sum(len(b["input_ids"]) for b in batches[TASKS[0]]))
     return {"tasks": list(TASKS), "eval_batches": num_batches, "sequences": sequences,
