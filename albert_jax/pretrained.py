@@ -38,8 +38,9 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from albert_jax import checkpointing, files
-from albert_jax.checkpointing import CHECKPOINTS_DIR, TOKENIZER_FILE, checkpoint_meta
+from albert_jax import checkpoint_dirs, files
+from albert_jax.checkpoint_dirs import CHECKPOINTS_DIR
+from albert_jax.checkpointing import TOKENIZER_FILE, checkpoint_meta
 from albert_jax.config import ModelConfig, save_json
 from albert_jax.hf_checkpoint import HF_WEIGHT_FILES, load_hf_checkpoint
 from albert_jax.model import AlbertForPreTraining, init_params
@@ -78,7 +79,7 @@ log = logging.getLogger(__name__)
 MODEL_CONFIG_FILE = "model_config.json"
 PARAMS_DIR = "params"
 # Items of one training step dir; `params` and `meta` are what `load_pretrained` reads.
-TRAINING_ITEMS = checkpointing.ITEMS
+TRAINING_ITEMS = checkpoint_dirs.ITEMS
 
 
 @dataclasses.dataclass
@@ -146,7 +147,7 @@ def save_model_dir(
     root = files.as_path(directory)
     root.mkdir(parents=True, exist_ok=True)
     tree = unflatten_params({k: to_numpy(v) for k, v in flatten_params(params).items()})
-    checkpointing.write_item_numpy(root / PARAMS_DIR, tree)
+    checkpoint_dirs.write_item_numpy(root / PARAMS_DIR, tree)
     save_json(config, str(root / MODEL_CONFIG_FILE))
     if tokenizer_path:
         files.copy(tokenizer_path, root / TOKENIZER_FILE)
@@ -174,7 +175,7 @@ def detect_layout(path: str) -> str:
         return "model_dir"
     if (root / CHECKPOINTS_DIR).is_dir():
         return "workdir"
-    if checkpointing.is_step_dir(root):
+    if checkpoint_dirs.is_step_dir(root):
         return "step_dir"
     if has("config.json") and any(has(w) for w in HF_WEIGHT_FILES):
         return "hf"
@@ -241,7 +242,7 @@ def load_tf_checkpoint(
 def _load_step_dir(
     step_dir: str, run_seed: int | None
 ) -> tuple[ModelConfig, dict[str, Any], int, str | None]:
-    meta, params = checkpointing.read_step_dir(step_dir, run_seed)
+    meta, params = checkpoint_dirs.read_step_dir(step_dir, run_seed)
     if "model_config" not in meta:
         raise ValueError(f"{step_dir}/meta: needs a 'model_config' entry (see checkpoint_meta)")
     config = ModelConfig.from_dict(meta["model_config"])
@@ -255,7 +256,7 @@ def _load_step_dir(
 def _load_model_dir(directory: str) -> tuple[ModelConfig, dict[str, Any], str | None]:
     root = files.as_path(directory)
     config = ModelConfig.from_dict(files.read_json(root / MODEL_CONFIG_FILE))
-    params = checkpointing.read_item_numpy(root / PARAMS_DIR)
+    params = checkpoint_dirs.read_item_numpy(root / PARAMS_DIR)
     tokenizer = root / TOKENIZER_FILE
     return config, params, str(tokenizer) if tokenizer.is_file() else None
 
@@ -369,7 +370,7 @@ def _read(path: str, run_seed: int | None) -> tuple[Checkpoint, dict[str, Any]]:
     layout = detect_layout(path)
     step = None
     if layout in ("workdir", "step_dir"):
-        step_dir = checkpointing.latest_step_dir(path) if layout == "workdir" else path
+        step_dir = checkpoint_dirs.latest_step_dir(path) if layout == "workdir" else path
         config, params, step, tokenizer_path = _load_step_dir(step_dir, run_seed)
         source = "albert_jax"
     elif run_seed is not None:  # only training checkpoints record the seeds of their runs

@@ -18,7 +18,14 @@ import pytest
 from test_finetune import task_files, tiny_scratch_config
 from test_sop_diagnostics import sop_run
 
-from albert_jax import checkpointing, finetune, finetune_config, metrics_writer, train, trees
+from albert_jax import (
+    checkpoint_dirs,
+    finetune,
+    finetune_config,
+    metrics_writer,
+    train,
+    trees,
+)
 from albert_jax.analysis import depth, heldout, layer_transitions
 from albert_jax.config import ModelConfig
 from albert_jax.model import AlbertForPreTraining, AlbertModel, init_params
@@ -110,10 +117,10 @@ def test_continued_pretraining_and_fine_tuning_at_another_depth(
     config.log_every_steps, config.eval_every_steps, config.checkpoint_every_steps = 1, 0, 1
     workdir = str(tmp_path / "deeper")
     assert train.train_and_evaluate(config, workdir)["step"] == 1
-    step_dir = checkpointing.latest_step_dir(workdir)
-    meta, params = checkpointing.read_step_dir(step_dir)
+    step_dir = checkpoint_dirs.latest_step_dir(workdir)
+    meta, params = checkpoint_dirs.read_step_dir(step_dir)
     assert meta["model_config"]["num_hidden_layers"] == 4
-    _, start = checkpointing.read_step_dir(checkpointing.latest_step_dir(shared_init))
+    _, start = checkpoint_dirs.read_step_dir(checkpoint_dirs.latest_step_dir(shared_init))
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(start), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-4)  # started from the init, 1 tiny step
     # The run's own workdir at another depth is a resume of another model: refused.
@@ -135,7 +142,9 @@ def test_continued_pretraining_and_fine_tuning_at_another_depth(
     results = finetune.finetune_and_evaluate(ft, str(tmp_path / "ft"))
     assert results["init"]["loaded"] == len(jax.tree.leaves(start["albert"]))
     assert 0 <= results["accuracy"] <= 1
-    ft_meta, _ = checkpointing.read_step_dir(checkpointing.latest_step_dir(str(tmp_path / "ft")))
+    ft_meta, _ = checkpoint_dirs.read_step_dir(
+        checkpoint_dirs.latest_step_dir(str(tmp_path / "ft"))
+    )
     assert ft_meta["model_config"]["num_hidden_layers"] == 4
 
 

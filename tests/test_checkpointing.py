@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from albert_jax import checkpointing, preemption
+from albert_jax import checkpoint_dirs, checkpointing, preemption
 from albert_jax.config import ModelConfig
 from albert_jax.model import AlbertForPreTraining, init_params
 from albert_jax.sharding import create_mesh
@@ -156,7 +156,7 @@ def test_sigkill_during_async_save_keeps_previous_checkpoint(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-3000:]
 
-    directory = checkpointing.checkpoint_dir(workdir)
+    directory = checkpoint_dirs.checkpoint_dir(workdir)
     leftovers = [d for d in os.listdir(directory) if d.startswith("2") and d != "2"]
     assert "2" not in os.listdir(directory)  # never committed
     assert leftovers, f"the kill should have caught step 2 mid-write: {os.listdir(directory)}"
@@ -219,17 +219,17 @@ def test_readers_and_run_seeds(tmp_path):
     with checkpointing.Checkpointer(workdir) as ckpt:
         for step, params in saved.items():
             _save_simple(ckpt, step, params)
-    step_dir = checkpointing.latest_step_dir(workdir)
-    assert step_dir == os.path.join(checkpointing.checkpoint_dir(workdir), "5")
+    step_dir = checkpoint_dirs.latest_step_dir(workdir)
+    assert step_dir == os.path.join(checkpoint_dirs.checkpoint_dir(workdir), "5")
     for path, step in (
         (step_dir, 5),
-        (os.path.join(checkpointing.checkpoint_dir(workdir), "3"), 3),
+        (os.path.join(checkpoint_dirs.checkpoint_dir(workdir), "3"), 3),
     ):
-        meta, params = checkpointing.read_step_dir(path)
+        meta, params = checkpoint_dirs.read_step_dir(path)
         assert meta == {"model_config": {}, "step": step}
         jax.tree.map(np.testing.assert_array_equal, params, saved[step])
     with pytest.raises(ValueError, match="holds no run of seed 1: its meta records no run"):
-        checkpointing.read_step_dir(step_dir, run_seed=1)
+        checkpoint_dirs.read_step_dir(step_dir, run_seed=1)
 
     # Seeds 4, 5, 6 in one program: every array [3, ...]; run_seed=5 is the middle one.
     seeds_dir = str(tmp_path / "seeds")
@@ -240,22 +240,24 @@ def test_readers_and_run_seeds(tmp_path):
             data={}, meta={"model_config": {}, "step": 2, "config": {"seed": 4, "num_seeds": 3}},
             force=True,
         )  # fmt: skip
-    _, params = checkpointing.read_step_dir(checkpointing.latest_step_dir(seeds_dir), run_seed=5)
+    _, params = checkpoint_dirs.read_step_dir(
+        checkpoint_dirs.latest_step_dir(seeds_dir), run_seed=5
+    )
     jax.tree.map(np.testing.assert_array_equal, params, runs[1])
     with pytest.raises(ValueError, match=r"holds the runs of seeds \[4, 5, 6\] \(num_seeds=3\)"):
-        checkpointing.read_step_dir(checkpointing.latest_step_dir(seeds_dir))
+        checkpoint_dirs.read_step_dir(checkpoint_dirs.latest_step_dir(seeds_dir))
     with pytest.raises(ValueError, match=r"seeds \[4, 5, 6\] \(no run of seed 7\); pick one"):
-        checkpointing.read_step_dir(checkpointing.latest_step_dir(seeds_dir), run_seed=7)
+        checkpoint_dirs.read_step_dir(checkpoint_dirs.latest_step_dir(seeds_dir), run_seed=7)
 
     missing = str(tmp_path / "missing")
     with pytest.raises(ValueError, match=re.escape(missing) + " is not a training step dir"):
-        checkpointing.read_step_dir(missing)
+        checkpoint_dirs.read_step_dir(missing)
     with pytest.raises(ValueError, match=re.escape(missing) + " is not an Orbax checkpoint item"):
-        checkpointing.read_item_numpy(missing)
+        checkpoint_dirs.read_item_numpy(missing)
     with pytest.raises(ValueError, match=re.escape(missing) + " does not exist"):
-        checkpointing.read_json_item(missing)
+        checkpoint_dirs.read_json_item(missing)
     with pytest.raises(ValueError, match=re.escape(f"{missing}/checkpoints holds no finished")):
-        checkpointing.latest_step_dir(missing)
+        checkpoint_dirs.latest_step_dir(missing)
 
 
 def test_saving_replicated_arrays_compiles_nothing(tmp_path, caplog):

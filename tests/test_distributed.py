@@ -42,7 +42,7 @@ from test_train import (
     tiny_command,
 )
 
-from albert_jax import checkpointing, metrics_writer, train
+from albert_jax import checkpoint_dirs, checkpointing, metrics_writer, train
 from albert_jax.config import model_config_from
 from albert_jax.data import pipeline
 from albert_jax.data.data_config import DataConfig, sources_from_spec
@@ -233,7 +233,7 @@ def runs(corpus, tmp_path_factory, gcs):
         jobs.append(pretrain_job(dist_workdir, preempted, preempted_logs, processes=2, devices=4,
                                  cwd=pod_cwd))  # fmt: skip
         out["preempted"] = jobs[-1].wait()
-        if epath.Path(checkpointing.checkpoint_dir(dist_workdir)).is_dir():
+        if epath.Path(checkpoint_dirs.checkpoint_dir(dist_workdir)).is_dir():
             with checkpointing.Checkpointer(dist_workdir, read_only=True) as ckpt:
                 out["preempted_steps"] = ckpt.all_steps()
         jobs.append(pretrain_job(dist_workdir, base, root, processes=2, devices=4, cwd=pod_cwd))
@@ -250,9 +250,9 @@ def runs(corpus, tmp_path_factory, gcs):
         out["sliced"] = jobs[-1].wait()
         # The 2-process checkpoint of step 3 alone (the job's latest is the final step 5).
         source = gcs.url("test_distributed/dist_step3")
-        saved = epath.Path(checkpointing.checkpoint_dir(dist_workdir)) / str(RESUME_STEP)
+        saved = epath.Path(checkpoint_dirs.checkpoint_dir(dist_workdir)) / str(RESUME_STEP)
         if saved.is_dir():
-            _copy_tree(saved, epath.Path(checkpointing.checkpoint_dir(source)) / str(RESUME_STEP))
+            _copy_tree(saved, epath.Path(checkpoint_dirs.checkpoint_dir(source)) / str(RESUME_STEP))
         # No data.num_shards: the run takes the checkpoint's 2 shards, both read by one process.
         resumed_overrides = {**base, "resume_from": source}
         jobs.append(pretrain_job(root / "resumed", resumed_overrides, root, processes=1,

@@ -30,7 +30,7 @@ from conftest import xla_flags
 from test_finetune import sentiment_tiny_config as _config
 from test_finetune import sentiment_tiny_run, tiny_tokenizer_path
 
-from albert_jax import checkpointing, finetune, metrics_writer
+from albert_jax import checkpoint_dirs, checkpointing, finetune, metrics_writer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 12  # sentiment_tiny_config's num_train_steps
@@ -56,12 +56,12 @@ def runs(tmp_path_factory, shared_data):
     # A crash right after checkpoint 8 committed: the workdir keeps that checkpoint and every
     # metrics line written so far (steps 1..12 here, a superset of what it would have).
     out["crashed"] = crashed = str(root / "crashed")
-    os.makedirs(os.path.join(crashed, checkpointing.CHECKPOINTS_DIR))
+    os.makedirs(os.path.join(crashed, checkpoint_dirs.CHECKPOINTS_DIR))
     for name in ("metrics.jsonl", "tokenizer.model", "config.json"):
         shutil.copy(os.path.join(straight, name), os.path.join(crashed, name))
     shutil.copytree(
-        os.path.join(checkpointing.checkpoint_dir(straight), "8"),
-        os.path.join(checkpointing.checkpoint_dir(crashed), "8"),
+        os.path.join(checkpoint_dirs.checkpoint_dir(straight), "8"),
+        os.path.join(checkpoint_dirs.checkpoint_dir(crashed), "8"),
     )
     out["crashed_results"] = finetune.finetune_and_evaluate(_config(spm, shared_data), crashed)
     return out
@@ -166,7 +166,7 @@ _RESTORE = textwrap.dedent(
 def test_restore_numpy_reads_an_8_device_checkpoint_anywhere(runs, tmp_path, devices):
     workdir = runs["straight"]
     # The checkpoint really is sharded over the 8 devices of this process...
-    step_dir = os.path.join(checkpointing.checkpoint_dir(workdir), str(STEPS))
+    step_dir = os.path.join(checkpoint_dirs.checkpoint_dir(workdir), str(STEPS))
     with ocp.StandardCheckpointer() as reader:
         metadata = reader.metadata(os.path.join(step_dir, "params")).item_metadata.tree
         saved = reader.restore(os.path.join(step_dir, "params"))  # the saved shardings

@@ -40,7 +40,7 @@ from test_train import (
     tiny_command,
 )
 
-from albert_jax import checkpointing, finetune, load_pretrained, metrics_writer
+from albert_jax import checkpoint_dirs, checkpointing, finetune, load_pretrained, metrics_writer
 from configs.finetune import get_config as finetune_config
 
 pytestmark = pytest.mark.slow
@@ -208,7 +208,7 @@ def test_load_pretrained_workdir_and_step_dir(gcs, pretraining, tmp_path, monkey
     workdir = pretraining["straight"]
     params = final_state(workdir, STEPS)[0]
     text = "it was a truth universally acknowledged"
-    for path in (workdir, f"{workdir}/{checkpointing.CHECKPOINTS_DIR}/{STEPS}"):
+    for path in (workdir, f"{workdir}/{checkpoint_dirs.CHECKPOINTS_DIR}/{STEPS}"):
         loaded = load_pretrained(path)
         assert loaded.step == STEPS and loaded.source == "albert_jax", path
         assert loaded.config.hidden_size == 32 and loaded.config.vocab_size == 1000

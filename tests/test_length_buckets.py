@@ -22,7 +22,7 @@ from test_finetune import (
     tiny_tokenizer_path,
 )
 
-from albert_jax import checkpointing, finetune, metrics_writer
+from albert_jax import checkpoint_dirs, checkpointing, finetune, metrics_writer
 from albert_jax.tasks.batching import bucket_length, bucket_lengths, trim_to_bucket
 
 
@@ -122,7 +122,7 @@ def test_training_on_cut_batches_resumes_bit_exactly(pack, tmp_path_factory, sha
         assert _training_lengths(config) == {64, 128}
     shutil.copytree(straight, resumed)
     for step in (8, 12):  # as if the run had stopped after the checkpoint of step 4
-        shutil.rmtree(os.path.join(checkpointing.checkpoint_dir(resumed), str(step)))
+        shutil.rmtree(os.path.join(checkpoint_dirs.checkpoint_dir(resumed), str(step)))
     os.remove(os.path.join(resumed, finetune.EVAL_RESULTS_FILE))
     finetune.finetune_and_evaluate(config, resumed)
     with (

@@ -31,7 +31,7 @@ from test_train import (
     tiny_command,
 )
 
-from albert_jax import checkpointing, train
+from albert_jax import checkpoint_dirs, checkpointing, train
 from albert_jax.data.data_config import DataConfig
 
 
@@ -40,7 +40,7 @@ def trained(corpus, tmp_path_factory):
     """A finished 8-step run with checkpoints at steps 4 and 8."""
     workdir = str(tmp_path_factory.mktemp("resume") / "trained")
     train.train_and_evaluate(make_config(small_overrides(corpus)), workdir)
-    assert sorted(os.listdir(checkpointing.checkpoint_dir(workdir))) == ["4", "8"]
+    assert sorted(os.listdir(checkpoint_dirs.checkpoint_dir(workdir))) == ["4", "8"]
     return workdir
 
 
@@ -51,7 +51,7 @@ def _copy(trained, tmp_path, name="run"):
 
 
 def _step_dir(workdir, step):
-    return os.path.join(checkpointing.checkpoint_dir(workdir), str(step))
+    return os.path.join(checkpoint_dirs.checkpoint_dir(workdir), str(step))
 
 
 def _largest_file(directory):
@@ -83,7 +83,7 @@ def test_unreadable_latest_checkpoint_with_resume_strict_stops_naming_it(corpus,
     assert _step_dir(workdir, 8) in message and "resume_strict" in message
     assert "JSONDecodeError" in message  # the reason, in the same line
     assert metadata.stat().st_size == 0  # nothing deleted: the user decides
-    assert sorted(os.listdir(checkpointing.checkpoint_dir(workdir))) == ["4", "8"]
+    assert sorted(os.listdir(checkpoint_dirs.checkpoint_dir(workdir))) == ["4", "8"]
 
 
 def test_resume_with_another_model_names_the_fields_and_keeps_config_json(

@@ -23,7 +23,7 @@ from test_finetune import (
     tiny_tokenizer_path,
 )
 
-from albert_jax import checkpointing, finetune, optim, seeds, trees
+from albert_jax import checkpoint_dirs, checkpointing, finetune, optim, seeds, trees
 from albert_jax.metrics_writer import read_metrics
 from albert_jax.pretrained import load_pretrained
 from albert_jax.train_state import TrainState, make_step
@@ -160,9 +160,9 @@ def test_fine_tuning_from_one_seed_of_a_four_seed_run(tmp_path_factory, shared_d
     source = str(tmp_path / "four")
     config = sentiment_tiny_config(spm, shared_data, num_seeds=4, num_train_steps=2)
     finetune.finetune_and_evaluate(config, source)
-    step_dir = checkpointing.latest_step_dir(source)
+    step_dir = checkpoint_dirs.latest_step_dir(source)
     # [4, ...] arrays, read here by path and sliced: seed 2 is index 2 (seeds 0..3).
-    seed_2 = {k: v[2] for k, v in trees.flatten(checkpointing.read_item_numpy(
+    seed_2 = {k: v[2] for k, v in trees.flatten(checkpoint_dirs.read_item_numpy(
         f"{step_dir}/params")).items()}  # fmt: skip
 
     reads: list[str] = []  # the items of the init read through the file layer, as read
@@ -189,9 +189,9 @@ def test_fine_tuning_from_one_seed_of_a_four_seed_run(tmp_path_factory, shared_d
             results = finetune.finetune_and_evaluate(again, workdir)
         assert sorted(reads) == ["meta", "params"], reads  # each item of the init read once
         assert results["init"]["source"] == "albert_jax"
-        started = checkpointing.latest_step_dir(workdir)
+        started = checkpoint_dirs.latest_step_dir(workdir)
         assert started.endswith("/0")
-        return trees.flatten(checkpointing.read_item_numpy(f"{started}/params"))
+        return trees.flatten(checkpoint_dirs.read_item_numpy(f"{started}/params"))
 
     picked = start_from(str(tmp_path / "from_seed_2"), init_run_seed=2)
     assert set(picked) == set(seed_2) and any(k.startswith("classifier/") for k in picked)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import main_command
 
-from albert_jax import checkpointing, metrics_writer, train
+from albert_jax import checkpoint_dirs, checkpointing, metrics_writer, train
 from albert_jax.loop import TrainingDivergedError
 from albert_jax.run_config import with_fields
 from configs import pretrain
@@ -140,7 +140,7 @@ def interrupted_runs(corpus, tmp_path_factory):
     out["resume_from_proc"] = run_tiny(other, resume_from)
     killed = {**base, "checkpoint_every_steps": 2, "debug.sigkill_after_save_at_step": 6}
     out["sigkill_proc"] = run_tiny(chain, killed)
-    out["after_sigkill_dirs"] = sorted(os.listdir(checkpointing.checkpoint_dir(chain)))
+    out["after_sigkill_dirs"] = sorted(os.listdir(checkpoint_dirs.checkpoint_dir(chain)))
     out["after_sigkill_steps"] = final_steps(chain)
     out["resume_proc"] = run_tiny(chain, base)
     return out
@@ -292,7 +292,7 @@ def test_non_finite_loss_names_the_step_and_last_good_checkpoint(corpus, tmp_pat
     message = str(error.value)
     assert message.startswith("non-finite loss, grad_norm"), message
     assert "at step 3 (loss=nan" in message
-    assert f"last good checkpoint: {checkpointing.checkpoint_dir(workdir)}/2 (step 2)" in message
+    assert f"last good checkpoint: {checkpoint_dirs.checkpoint_dir(workdir)}/2 (step 2)" in message
     params, _ = final_state(workdir, 2)  # the named checkpoint is committed and finite
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
     last = metrics_writer.read_metrics(workdir)[-1]
@@ -358,7 +358,7 @@ def test_bad_config_fails_before_compilation(corpus, tmp_path, compile_counter, 
     finally:
         compile_counter.active = False
     assert compile_counter.count == 0
-    assert not os.path.exists(checkpointing.checkpoint_dir(str(tmp_path / "run")))
+    assert not os.path.exists(checkpoint_dirs.checkpoint_dir(str(tmp_path / "run")))
 
 
 @pytest.mark.parametrize(

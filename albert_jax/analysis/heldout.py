@@ -24,7 +24,7 @@ import numpy as np
 from absl import flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from albert_jax import checkpointing, files
+from albert_jax import checkpoint_dirs, files
 from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, create_mesh, put_batch
 from albert_jax.train import majority_accuracies
 
@@ -110,8 +110,8 @@ def run_config_of(init: str) -> ml_collections.ConfigDict | None:
     layout = detect_layout(init)
     if layout not in ("workdir", "step_dir"):
         return None
-    step_dir = checkpointing.latest_step_dir(init) if layout == "workdir" else init
-    meta = checkpointing.read_json_item(files.as_path(step_dir) / "meta")
+    step_dir = checkpoint_dirs.latest_step_dir(init) if layout == "workdir" else init
+    meta = checkpoint_dirs.read_json_item(files.as_path(step_dir) / "meta")
     config = meta.get("config") if isinstance(meta, Mapping) else None
     if not isinstance(config, Mapping) or "task" in config:
         return None
