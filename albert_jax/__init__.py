@@ -12,9 +12,9 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "ModelConfig": "albert_jax.config",
-    "AlbertModel": "albert_jax.model",
-    "AlbertForPreTraining": "albert_jax.model",
+    "ModelConfig": "albert_jax.model.config",
+    "AlbertModel": "albert_jax.model.albert",
+    "AlbertForPreTraining": "albert_jax.model.albert",
     "load_pretrained": "albert_jax.pretrained",
     "Pretrained": "albert_jax.pretrained",
 }

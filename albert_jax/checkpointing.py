@@ -48,7 +48,7 @@ from albert_jax.checkpoint_dirs import (
     read_item_numpy,
     read_json_item,
 )
-from albert_jax.config import ModelConfig
+from albert_jax.model.config import ModelConfig
 
 TOKENIZER_FILE = "tokenizer.model"
 

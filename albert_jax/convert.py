@@ -10,7 +10,7 @@
 ran); `--reshare` averages the layers of a not-shared checkpoint into one shared block (a
 research baseline; outputs change). Both print and write (`DST/unshare_report.json`,
 `DST/reshare_report.json`) how far the new model's outputs are from the source's (see
-`albert_jax.unshare`).
+`albert_jax.interop.unshare`).
 
 A `--dst` that is `--src` or inside it, or that holds a training run (`checkpoints/`,
 `metrics.jsonl`), is refused before anything is read unless `--overwrite` is given: the outputs
@@ -35,15 +35,15 @@ ignored. Absent heads (pooler, MLM, SOP) are left out and initialized by `load_p
 from __future__ import annotations
 
 from albert_jax import files
-from albert_jax.hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from albert_jax.interop.hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from albert_jax.interop.unshare import convert_sharing
+from albert_jax.interop.weight_names import flatten_params, missing_parts
 from albert_jax.pretrained import (
     find_spm_model,
     load_pretrained,
     load_tf_checkpoint,
     save_model_dir,
 )
-from albert_jax.unshare import convert_sharing
-from albert_jax.weight_names import flatten_params, missing_parts
 
 __all__ = ["check_destination", "main"]
 

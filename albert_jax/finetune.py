@@ -48,9 +48,8 @@ import optax
 from absl import logging
 from jax.sharding import Mesh
 
-from albert_jax import checkpointing, compile_cache, files, heads, seeds, workdir_lease
+from albert_jax import checkpointing, compile_cache, files, seeds, workdir_lease
 from albert_jax.backbone_init import InitReport, merge_pretrained, read_init
-from albert_jax.config import ModelConfig
 from albert_jax.finetune_config import (
     check_batch,
     dont_load_patterns,
@@ -58,6 +57,8 @@ from albert_jax.finetune_config import (
     validate_config,
 )
 from albert_jax.loop import Loop
+from albert_jax.model import heads
+from albert_jax.model.config import ModelConfig
 from albert_jax.pretrained import Checkpoint
 from albert_jax.run_config import mesh_layout
 from albert_jax.sharding import create_mesh, fetch

@@ -14,7 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 from albert_jax import line_reading
-from albert_jax.config import RUNTIME_FIELDS, ModelConfig
+from albert_jax.model.config import RUNTIME_FIELDS, ModelConfig
 from albert_jax.run_config import check_known_fields
 from albert_jax.tasks import registry
 from albert_jax.tasks.registry import TaskSpec

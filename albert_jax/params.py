@@ -22,8 +22,8 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from albert_jax.config import ModelConfig, model_config_from
-from albert_jax.model import AlbertForPreTraining, init_params
+from albert_jax.model.albert import AlbertForPreTraining, init_params
+from albert_jax.model.config import ModelConfig, model_config_from
 
 GROUPS = ("embeddings", "projection", "encoder", "pooler", "mlm_head", "sop_head")
 

@@ -35,10 +35,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from albert_jax import flops as flops_lib
-from albert_jax import hlo_collectives, tpu_slices, train_state
+from albert_jax import train_state
+from albert_jax.model import flops as flops_lib
 from albert_jax.run_config import with_fields
 from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, shard_bytes, slice_mesh
+from albert_jax.tpu import collectives as hlo_collectives
+from albert_jax.tpu import slices as tpu_slices
 
 GiB = 2**30
 # Least recomputation first: what `--max_batch` and the docs table walk through.
@@ -73,7 +75,7 @@ def make_target(tpu: str, num_slices: int = 1) -> Target:
 
 def _pretraining(config: Any, target: Target) -> tuple[Any, Any, dict[str, Any], float]:
     """(objective, mesh, abstract batch spec {name: (shape, dtype)}, model FLOPs a step)."""
-    from albert_jax.model import AlbertForPreTraining
+    from albert_jax.model.albert import AlbertForPreTraining
     from albert_jax.train import PretrainingModel, pretraining_batch_shapes, train_step_flops
     from albert_jax.train_config import validate_config
 
@@ -91,7 +93,7 @@ def _fine_tuning(config: Any, target: Target) -> tuple[Any, Any, dict[str, Any],
     `config.model` (a checkpoint's config is not read), unpacked batches of `batch_size` rows a
     seed at `max_seq_length`, the schedule over `num_train_steps`."""
     from albert_jax import finetune_config
-    from albert_jax.config import ModelConfig
+    from albert_jax.model.config import ModelConfig
     from albert_jax.run_config import mesh_layout
     from albert_jax.task_model import TaskModel
     from albert_jax.tasks.kinds import get_kind

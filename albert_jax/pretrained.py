@@ -41,21 +41,21 @@ import numpy as np
 from albert_jax import checkpoint_dirs, files
 from albert_jax.checkpoint_dirs import CHECKPOINTS_DIR
 from albert_jax.checkpointing import TOKENIZER_FILE, checkpoint_meta
-from albert_jax.config import ModelConfig, save_json
-from albert_jax.hf_checkpoint import HF_WEIGHT_FILES, load_hf_checkpoint
-from albert_jax.model import AlbertForPreTraining, init_params
-from albert_jax.tf1_checkpoint import (
+from albert_jax.interop.hf_checkpoint import HF_WEIGHT_FILES, load_hf_checkpoint
+from albert_jax.interop.tf1_checkpoint import (
     find_tf_checkpoint,
     index_missing,
     tf_checkpoint_to_params,
 )
-from albert_jax.weight_names import (
+from albert_jax.interop.weight_names import (
     OPTIONAL_PARTS,
     flatten_params,
     format_problems,
     to_numpy,
     unflatten_params,
 )
+from albert_jax.model.albert import AlbertForPreTraining, init_params
+from albert_jax.model.config import ModelConfig, save_json
 
 __all__ = [
     "Pretrained",
@@ -94,7 +94,7 @@ class Pretrained:
     `weight_names.OPTIONAL_PARTS`) that the checkpoint lacked and were freshly initialized.
     """
 
-    model: Any  # albert_jax.model.AlbertForPreTraining
+    model: Any  # albert_jax.model.albert.AlbertForPreTraining
     params: dict[str, Any]
     config: ModelConfig
     tokenizer: Any | None  # albert_jax.data.tokenizer.Tokenizer
@@ -332,9 +332,10 @@ def _initial_value(
 ) -> np.ndarray:
     """The model's own initialization, drawn in numpy for a head the checkpoint lacks.
 
-    Same distributions as `albert_jax.model`: LayerNorm scale 1, biases 0, kernels from a normal
-    with std `initializer_range` truncated at 2 std (not re-scaled, as TF). Drawn on the host so
-    that no init program has to be compiled just to fill a few head weights.
+    Same distributions as `albert_jax.model.albert`: LayerNorm scale 1, biases 0, kernels
+    from a normal with std `initializer_range` truncated at 2 std (not re-scaled, as TF).
+    Drawn on the host so that no init program has to be compiled just to fill a few head
+    weights.
     """
     name = path.rsplit("/", 1)[-1]
     if name == "scale":

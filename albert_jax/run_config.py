@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from absl import logging
 
 from albert_jax import files, sharding
-from albert_jax.config import ModelConfig
+from albert_jax.model.config import ModelConfig
 
 RUN_CONFIG_FILE = "config.json"
 
@@ -132,7 +132,7 @@ def mesh_layout(
 def model_param_axes(model_config: ModelConfig) -> sharding.ParamAxes:
     """(shape, logical axes) of every parameter of the pretraining model (abstract: nothing
     is allocated); what mesh layouts are checked against."""
-    from albert_jax.model import AlbertForPreTraining, init_params
+    from albert_jax.model.albert import AlbertForPreTraining, init_params
 
     model = AlbertForPreTraining(model_config)
     boxed = jax.eval_shape(lambda: init_params(model, jax.random.key(0))["params"])

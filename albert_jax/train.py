@@ -46,10 +46,10 @@ from albert_jax import (
     train_state,
     workdir_lease,
 )
-from albert_jax.config import ModelConfig
 from albert_jax.data.instances import PAIR_KINDS
 from albert_jax.loop import Loop
-from albert_jax.model import AlbertForPreTraining, init_params
+from albert_jax.model.albert import AlbertForPreTraining, init_params
+from albert_jax.model.config import ModelConfig
 from albert_jax.prepare import build_sources, prepare_tokenizer
 from albert_jax.resume import load_params_only
 from albert_jax.run_config import config_field
@@ -478,7 +478,7 @@ def train_step_flops(
 ) -> float:
     """Model FLOPs of one `make_train_step` step over the global batch. The step asks for
     `return_sequence_output=False`, so the last layer runs at the 1 + P rows the heads read
-    ([CLS] and the masked positions) and is counted there (`albert_jax.flops`)."""
+    ([CLS] and the masked positions) and is counted there (`albert_jax.model.flops`)."""
     return flops.train_flops_per_step(
         model_config,
         batch_size,

@@ -85,7 +85,7 @@ from absl import logging  # noqa: E402
 from albert_jax import process_setup  # noqa: E402
 from albert_jax.finetune import FineTuning  # noqa: E402
 from albert_jax.finetune_config import optimizer_config, validate_config  # noqa: E402
-from albert_jax.hf_checkpoint import to_hf_config  # noqa: E402
+from albert_jax.interop.hf_checkpoint import to_hf_config  # noqa: E402
 from albert_jax.run_config import mesh_layout  # noqa: E402
 from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, create_mesh, put_batch  # noqa: E402
 from albert_jax.tasks.batching import train_batch, trim_to_bucket  # noqa: E402

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import optax
 
-from albert_jax.config import ModelConfig
+from albert_jax.model.config import ModelConfig
 
 
 def _import_keras() -> tuple[Any, Any] | None:

@@ -47,8 +47,8 @@ import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from albert_jax.config import model_config_from  # noqa: E402
-from albert_jax.model import AlbertForPreTraining  # noqa: E402
+from albert_jax.model.albert import AlbertForPreTraining  # noqa: E402
+from albert_jax.model.config import model_config_from  # noqa: E402
 from albert_jax.sharding import (  # noqa: E402
     LOGICAL_AXIS_RULES,
     batch_sharding,

@@ -29,7 +29,7 @@ def start(args: argparse.Namespace) -> dict[str, float]:
     import jax
 
     from albert_jax import compile_cache, train_state
-    from albert_jax.model import AlbertForPreTraining
+    from albert_jax.model.albert import AlbertForPreTraining
     from albert_jax.run_config import with_fields
     from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, create_mesh
     from albert_jax.train import PretrainingModel, pretraining_batch_shapes

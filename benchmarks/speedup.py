@@ -7,8 +7,8 @@ backward of MLM on `--preds` masked positions + SOP, global-norm clip, LAMB over
 parameters; the default config: `nn.scan` over the layers, `remat_policy="dots"`, no dropout)
 on one device, at `--batch` sequences of `--seq_len` tokens, on the same synthetic batch:
 
-- bert-base / bert-large: BERT's shapes (`albert_jax.flops.REFERENCE_SHAPES`: E = H, V = 30522,
-  no E→H projection), every layer its own weights (`sharing="none"`);
+- bert-base / bert-large: BERT's shapes (`albert_jax.model.flops.REFERENCE_SHAPES`: E = H,
+  V = 30522, no E→H projection), every layer its own weights (`sharing="none"`);
 - albert-base / large / xlarge / xxlarge: the official ALBERT shapes (E = 128, V = 30000), all
   layers sharing one weight set (`sharing="all"`).
 
@@ -19,7 +19,7 @@ only one model's state (BERT-large's: 5.4 GB) is in memory at a time. `seq_per_s
 median step time; `speedup_vs_bert_large` = the median over rounds of (BERT-large's step time /
 the model's step time in the same round), a paired ratio that a slow round cannot skew the way
 it skews two independent medians. `flop_speedup` = BERT-large's model FLOPs per step / the
-model's (`albert_jax.flops`): what a machine whose step time is its FLOPs would show.
+model's (`albert_jax.model.flops`): what a machine whose step time is its FLOPs would show.
 
 The paper (arXiv 1909.11942 v6, Table 2) measured TPU v3 pods at batch 4096 and seq 512, where
 the gradient all-reduce grows with the parameter count and sharing shrinks it. One device has
@@ -45,9 +45,10 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from albert_jax import flops, train  # noqa: E402
-from albert_jax.config import model_config_from  # noqa: E402
-from albert_jax.model import AlbertForPreTraining  # noqa: E402
+from albert_jax import train  # noqa: E402
+from albert_jax.model import flops
+from albert_jax.model.albert import AlbertForPreTraining  # noqa: E402
+from albert_jax.model.config import model_config_from  # noqa: E402
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh  # noqa: E402
 from benchmarks.train_step import make_batch, paired_ratio  # noqa: E402
 from configs import pretrain  # noqa: E402

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from albert_jax import flops
+from albert_jax.model import flops
 
 
 def _torch() -> Any | None:

@@ -39,7 +39,7 @@ KerasHub is then left out. `--attention` is ours' `model.attention_impl` (`cudnn
 kernel, GPU only). `--profile=DIR` traces `--profile_steps` more steps of ours after the timed
 rounds and adds `ours_profile`, the op totals per step (`benchmarks/trace_summary.py`).
 
-MFU counts model FLOPs honestly (`albert_jax.flops`): every layer
+MFU counts model FLOPs honestly (`albert_jax.model.flops`): every layer
 application, attention, the E→H projection, the MLM head on the predicted positions only, the
 pooler and SOP classifier, training = 3 × forward; the last layer counts its keys and values at
 all S tokens and the rest at the 1 + P rows the loss reads, which is what the task needs (and
@@ -77,9 +77,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from albert_jax import flops, train  # noqa: E402
-from albert_jax.config import ModelConfig, model_config_from  # noqa: E402
-from albert_jax.model import AlbertForPreTraining  # noqa: E402
+from albert_jax import train  # noqa: E402
+from albert_jax.model import flops
+from albert_jax.model.albert import AlbertForPreTraining  # noqa: E402
+from albert_jax.model.config import ModelConfig, model_config_from  # noqa: E402
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh  # noqa: E402
 from benchmarks import kerashub_peer, torch_peer, trace_summary  # noqa: E402
 from configs import pretrain  # noqa: E402

@@ -27,8 +27,8 @@ from albert_jax import (
     trees,
 )
 from albert_jax.analysis import depth, heldout, layer_transitions
-from albert_jax.config import ModelConfig
-from albert_jax.model import AlbertForPreTraining, AlbertModel, init_params
+from albert_jax.model.albert import AlbertForPreTraining, AlbertModel, init_params
+from albert_jax.model.config import ModelConfig
 from albert_jax.pretrained import save_model_dir
 from albert_jax.resume import load_params_only
 from albert_jax.train_config import validate_config

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from test_model import init, make_batch, tiny
 
-from albert_jax import layers
-from albert_jax.model import AlbertForPreTraining
+from albert_jax.model import layers
+from albert_jax.model.albert import AlbertForPreTraining
 
 IMPLS = ["dot_product"] + (["cudnn"] if jax.default_backend() == "gpu" else [])
 

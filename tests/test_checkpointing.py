@@ -14,8 +14,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from albert_jax import checkpoint_dirs, checkpointing, preemption
-from albert_jax.config import ModelConfig
-from albert_jax.model import AlbertForPreTraining, init_params
+from albert_jax.model.albert import AlbertForPreTraining, init_params
+from albert_jax.model.config import ModelConfig
 from albert_jax.sharding import create_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

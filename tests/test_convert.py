@@ -24,8 +24,7 @@ import transformers  # noqa: E402
 from gcs import assert_local_unchanged  # noqa: E402
 from safetensors.numpy import load, load_file  # noqa: E402
 
-from albert_jax.config import ModelConfig  # noqa: E402
-from albert_jax.hf_checkpoint import (  # noqa: E402
+from albert_jax.interop.hf_checkpoint import (  # noqa: E402
     hf_state_dict_to_params,
     load_hf_checkpoint,
     load_hf_state_dict,
@@ -33,10 +32,11 @@ from albert_jax.hf_checkpoint import (  # noqa: E402
     save_hf_checkpoint,
     to_hf_config,
 )
-from albert_jax.model import AlbertForPreTraining, init_params  # noqa: E402
+from albert_jax.interop.tf1_checkpoint import tf_checkpoint_to_params  # noqa: E402
+from albert_jax.interop.weight_names import missing_parts  # noqa: E402
+from albert_jax.model.albert import AlbertForPreTraining, init_params  # noqa: E402
+from albert_jax.model.config import ModelConfig  # noqa: E402
 from albert_jax.pretrained import load_pretrained, load_tf_checkpoint, save_model_dir  # noqa: E402
-from albert_jax.tf1_checkpoint import tf_checkpoint_to_params  # noqa: E402
-from albert_jax.weight_names import missing_parts  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-4  # fp32 parity bound (absolute)

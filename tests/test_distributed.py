@@ -43,11 +43,11 @@ from test_train import (
 )
 
 from albert_jax import checkpoint_dirs, checkpointing, metrics_writer, train
-from albert_jax.config import model_config_from
 from albert_jax.data import pipeline
 from albert_jax.data.data_config import DataConfig, sources_from_spec
 from albert_jax.data.tokenizer import Tokenizer
-from albert_jax.model import AlbertForPreTraining, init_params
+from albert_jax.model.albert import AlbertForPreTraining, init_params
+from albert_jax.model.config import model_config_from
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
 from albert_jax.train_config import validate_config
 

@@ -6,7 +6,7 @@ import types
 import jax
 import pytest
 
-from albert_jax import flops
+from albert_jax.model import flops
 
 # PERF_ANCHORS.md §4: train GFLOP per sequence @128 (20 preds), @512 (80 preds), attention share.
 TABLE = {

@@ -21,8 +21,8 @@ from conftest import xla_flags
 from test_finetune import TINY_MODEL, VOCAB_SIZE, tiny_tokenizer_path
 
 from albert_jax import glue_table
-from albert_jax.config import ModelConfig
-from albert_jax.model import AlbertForPreTraining, init_params
+from albert_jax.model.albert import AlbertForPreTraining, init_params
+from albert_jax.model.config import ModelConfig
 from albert_jax.pretrained import save_model_dir
 from albert_jax.tasks import registry
 from configs.finetune import LOCAL_PRESETS, get_config

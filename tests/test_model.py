@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from albert_jax.config import ModelConfig
-from albert_jax.layers import Dense
-from albert_jax.model import AlbertForPreTraining, AlbertModel, init_params
+from albert_jax.model.albert import AlbertForPreTraining, AlbertModel, init_params
+from albert_jax.model.config import ModelConfig
+from albert_jax.model.layers import Dense
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
 
 TINY = dict(
@@ -277,7 +277,7 @@ def test_groups_follow_official_semantics():
         batch["input_mask"],
         method=_embed_and_project,
     )
-    from albert_jax.model import AlbertLayer
+    from albert_jax.model.albert import AlbertLayer
 
     mask = batch["input_mask"].astype(bool)[:, None, None, :]
     for layer_idx in range(cfg.num_hidden_layers):

@@ -16,8 +16,9 @@ from test_finetune import (
     tiny_tokenizer_path,
 )
 
-from albert_jax import heads, losses
-from albert_jax.config import ModelConfig
+from albert_jax import losses
+from albert_jax.model import heads
+from albert_jax.model.config import ModelConfig
 from albert_jax.tasks import packing
 from albert_jax.tasks.batching import bucket_lengths, train_batch
 

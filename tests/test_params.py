@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from albert_jax.config import ModelConfig
+from albert_jax.model.config import ModelConfig
 from albert_jax.params import PAPER_ROWS, count_parameters, paper_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

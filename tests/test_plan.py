@@ -12,8 +12,11 @@ import pytest
 
 pytest.importorskip("libtpu", reason="the TPU compiler: pip install -e '.[tpu]'")
 
-from albert_jax import hlo_collectives, layers, plan, sharding, tpu_slices  # noqa: E402
+from albert_jax import plan, sharding  # noqa: E402
+from albert_jax.model import layers
 from albert_jax.run_config import model_param_axes, with_fields  # noqa: E402
+from albert_jax.tpu import collectives as hlo_collectives
+from albert_jax.tpu import slices as tpu_slices
 from configs import finetune as finetune_configs  # noqa: E402
 from configs import pretrain  # noqa: E402
 
@@ -240,7 +243,7 @@ def test_auto_mesh_shards_only_as_far_as_needed():
 
 
 def pretrain_model(size):
-    from albert_jax.config import model_config_from
+    from albert_jax.model.config import model_config_from
 
     return model_config_from(pretrain.get_config(f"size={size}"))
 

@@ -20,9 +20,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from albert_jax import checkpointing, files
-from albert_jax.config import ModelConfig
 from albert_jax.data.tokenizer import Tokenizer, train_tokenizer
-from albert_jax.model import AlbertForPreTraining, init_params
+from albert_jax.interop.weight_names import flatten_params
+from albert_jax.model.albert import AlbertForPreTraining, init_params
+from albert_jax.model.config import ModelConfig
 from albert_jax.pretrained import (
     TRAINING_ITEMS,
     checkpoint_meta,
@@ -32,7 +33,6 @@ from albert_jax.pretrained import (
     read_checkpoint,
     save_model_dir,
 )
-from albert_jax.weight_names import flatten_params
 
 CONFIG = ModelConfig(
     vocab_size=120,
@@ -263,7 +263,7 @@ def test_truncated_hf_weights_are_named(tmp_path):
     from test_convert import random_hf_model, run_cli
 
     from albert_jax.finetune import finetune_and_evaluate
-    from albert_jax.hf_checkpoint import load_hf_checkpoint
+    from albert_jax.interop.hf_checkpoint import load_hf_checkpoint
     from configs.finetune import get_config
 
     hf = random_hf_model(TINY_HF, seed=1)
@@ -303,7 +303,7 @@ def test_truncated_hf_weights_are_named(tmp_path):
 def test_safetensors_header_with_bad_dims_is_named(shape):
     """numpy's own ValueError / TypeError for a negative or non-integer dimension named
     neither the file nor the tensor."""
-    from albert_jax.hf_checkpoint import read_safetensors
+    from albert_jax.interop.hf_checkpoint import read_safetensors
 
     header = json.dumps({"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 32]}})
     data = struct.pack("<Q", len(header)) + header.encode() + bytes(32)

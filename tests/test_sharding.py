@@ -5,8 +5,8 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from albert_jax.config import ModelConfig
-from albert_jax.model import AlbertForPreTraining, init_params
+from albert_jax.model.albert import AlbertForPreTraining, init_params
+from albert_jax.model.config import ModelConfig
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh, resolve_mesh_shape
 
 

@@ -1,10 +1,9 @@
-"""Unshare / reshare (`albert_jax.unshare`, `python -m albert_jax.convert --unshare|--reshare`):
-the unshared model is the shared one's function bit for bit, pretraining continues from it at
-the shared model's loss, and reshare averages the layers and reports how far outputs moved.
-
-Models are tiny and real (random weights in every tensor, biases and LayerNorms included, so
-that a mis-mapped weight cannot hide behind a zero or a one); checkpoints are real Orbax model
-dirs and training workdirs.
+"""Unshare / reshare (`albert_jax.interop.unshare`, `python -m albert_jax.convert
+--unshare|--reshare`): the unshared model is the shared one's function bit for bit, pretraining
+continues from it at the shared model's loss, and reshare averages the layers and reports how
+far outputs moved. Models are tiny and real (random weights in every tensor, biases and
+LayerNorms included, so that a mis-mapped weight cannot hide behind a zero or a one);
+checkpoints are real Orbax model dirs and training workdirs.
 """
 
 import json
@@ -19,13 +18,8 @@ import pytest
 from test_train import SMALL_MODEL, losses_by_step, make_config, small_overrides
 
 from albert_jax import train
-from albert_jax.config import ModelConfig
 from albert_jax.data.tokenizer import Tokenizer
-from albert_jax.model import AlbertForPreTraining, init_params
-from albert_jax.pretrained import load_pretrained, save_model_dir
-from albert_jax.sharding import create_mesh
-from albert_jax.train_config import validate_config
-from albert_jax.unshare import (
+from albert_jax.interop.unshare import (
     REPORT_FILES,
     applied_blocks,
     convert_sharing,
@@ -35,7 +29,12 @@ from albert_jax.unshare import (
     reshare,
     unshare,
 )
-from albert_jax.weight_names import flatten_params as flatten
+from albert_jax.interop.weight_names import flatten_params as flatten
+from albert_jax.model.albert import AlbertForPreTraining, init_params
+from albert_jax.model.config import ModelConfig
+from albert_jax.pretrained import load_pretrained, save_model_dir
+from albert_jax.sharding import create_mesh
+from albert_jax.train_config import validate_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # test_train's pretraining model (vocab of the corpus tokenizer) at 4 layers: every model here

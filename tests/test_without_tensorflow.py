@@ -28,8 +28,8 @@ import numpy as np
 from albert_jax import (  # every module the training and fine-tuning paths import
     checkpointing, convert, finetune, glue_table, loop, main, pretrained, train,
 )
-from albert_jax.config import model_config_from
-from albert_jax.model import AlbertForPreTraining
+from albert_jax.model.config import model_config_from
+from albert_jax.model.albert import AlbertForPreTraining
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
 from benchmarks import speedup, train_step as train_step_benchmark  # what a GPU run imports
 from configs import pretrain

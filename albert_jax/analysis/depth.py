@@ -28,7 +28,7 @@ from absl import app, flags, logging
 
 from albert_jax import cli, files, metrics_writer
 from albert_jax.analysis import heldout
-from albert_jax.model import AlbertForPreTraining
+from albert_jax.model.albert import AlbertForPreTraining
 from albert_jax.train import evaluate_batches, make_eval_step
 
 JSON_FILE = "depth_sweep.json"

@@ -28,8 +28,8 @@ from absl import app, flags
 
 from albert_jax import cli, files, metrics_writer
 from albert_jax.analysis import heldout
-from albert_jax.config import ModelConfig
-from albert_jax.model import AlbertModel
+from albert_jax.model.albert import AlbertModel
+from albert_jax.model.config import ModelConfig
 
 JSON_FILE = "layer_transitions.json"
 PNG_FILE = "layer_transitions.png"

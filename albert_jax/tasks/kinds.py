@@ -28,8 +28,9 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from albert_jax import files, heads, losses
-from albert_jax.config import ModelConfig
+from albert_jax import files, losses
+from albert_jax.model import heads
+from albert_jax.model.config import ModelConfig
 from albert_jax.tasks import squad_eval
 from albert_jax.tasks.batching import Features
 from albert_jax.tasks.classification import classification_features

@@ -24,9 +24,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from albert_jax.config import ModelConfig
-from albert_jax.layers import Dense, LayerNorm
-from albert_jax.model import AlbertModel
+from albert_jax.model.albert import AlbertModel
+from albert_jax.model.config import ModelConfig
+from albert_jax.model.layers import Dense, LayerNorm
 
 __all__ = [
     "HEAD_NAMES",

@@ -26,8 +26,7 @@ from typing import Any
 import numpy as np
 
 from albert_jax import files
-from albert_jax.config import ModelConfig
-from albert_jax.weight_names import (
+from albert_jax.interop.weight_names import (
     check_projection,
     check_shared,
     flatten_params,
@@ -37,6 +36,7 @@ from albert_jax.weight_names import (
     to_numpy,
     unreadable,
 )
+from albert_jax.model.config import ModelConfig
 
 __all__ = [
     "HF_WEIGHT_FILES",

@@ -1,5 +1,6 @@
 """The building blocks of ALBERT's layers in Flax linen: 2-D Dense matmuls, LayerNorm, the
-factorized embedding, self-attention and the feed-forward block (`albert_jax.model` stacks them).
+factorized embedding, self-attention and the feed-forward block (`model.albert` stacks
+them).
 
 Shapes: B batch, S sequence, E embedding size, H hidden size, N heads, D = H/N head size,
 I intermediate size, V vocabulary. Every parameter is created through
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from albert_jax.config import ModelConfig
+from albert_jax.model.config import ModelConfig
 
 Array = jax.Array
 # The official attention mask adder: masked scores get -10000 before the softmax.

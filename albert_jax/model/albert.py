@@ -24,8 +24,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from albert_jax.config import ModelConfig
-from albert_jax.layers import (
+from albert_jax.model.config import ModelConfig
+from albert_jax.model.layers import (
     Dense,
     FactorizedEmbedding,
     FeedForward,

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from albert_jax import trees
-from albert_jax.config import ModelConfig
+from albert_jax.model.config import ModelConfig
 
 __all__ = [
     "OPTIONAL_PARTS",

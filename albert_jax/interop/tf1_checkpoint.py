@@ -12,8 +12,8 @@ import re
 from typing import Any
 
 from albert_jax import files
-from albert_jax.config import ModelConfig
-from albert_jax.weight_names import check_projection, import_tensors, layout, unreadable
+from albert_jax.interop.weight_names import check_projection, import_tensors, layout, unreadable
+from albert_jax.model.config import ModelConfig
 
 __all__ = ["tf_checkpoint_to_params", "find_tf_checkpoint", "index_missing"]
 

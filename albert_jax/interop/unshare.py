@@ -10,7 +10,7 @@ fine-tuning (`init`) continues from it with every layer free to move on its own.
 checkpoint becomes the one block of an all-shared model of the same depth. Outputs change;
 `output_difference` measures how much, on a fixed probe batch.
 
-Parameter layout (`albert_jax.model`): the block `inner_group_i` of group g lives under
+Parameter layout (`albert_jax.model.albert`): the block `inner_group_i` of group g lives under
 `albert/encoder/group_{g}/inner_group_{i}/{attention,ffn}/...`; an unshared sub-block carries a
 leading axis of `layers_per_group`, which the layer's index within its group selects.
 """
@@ -24,9 +24,9 @@ import jax
 import numpy as np
 
 from albert_jax import files
-from albert_jax.config import ModelConfig
-from albert_jax.model import AlbertForPreTraining
-from albert_jax.weight_names import flatten_params, to_numpy, unflatten_params
+from albert_jax.interop.weight_names import flatten_params, to_numpy, unflatten_params
+from albert_jax.model.albert import AlbertForPreTraining
+from albert_jax.model.config import ModelConfig
 
 __all__ = [
     "applied_blocks",
