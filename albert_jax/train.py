@@ -39,7 +39,6 @@ from albert_jax import (
     checkpointing,
     compile_cache,
     files,
-    flops,
     losses,
     metrics_writer,
     optim,
@@ -48,6 +47,7 @@ from albert_jax import (
 )
 from albert_jax.data.instances import PAIR_KINDS
 from albert_jax.loop import Loop
+from albert_jax.model import flops
 from albert_jax.model.albert import AlbertForPreTraining, init_params
 from albert_jax.model.config import ModelConfig
 from albert_jax.prepare import build_sources, prepare_tokenizer
