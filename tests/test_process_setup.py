@@ -39,7 +39,7 @@ import jax, jax.numpy as jnp
 f = jax.jit(lambda x, w, v: jnp.sin(x @ w) @ v)
 x, w, v = jnp.ones((5000, 8)), jnp.ones((8, 5000)), jnp.ones((5000, 1))
 faults = []
-for _ in range(8):
+for _ in range(12):
     start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     f(x, w, v).block_until_ready()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start)
@@ -68,8 +68,8 @@ def test_freed_host_memory_serves_the_next_call():
     assert not default["kept"] and kept["kept"]
     assert min(default["faults"][1:]) > 20_000, default
     # The heap grows over the first calls and, on a loaded machine, again now and then (by the
-    # order of the frees), so: most later calls fault nothing.
-    assert sum(f < 2_000 for f in kept["faults"][1:]) >= 4, kept
+    # order of the frees), so: many later calls fault nothing (without the setting: none).
+    assert sum(f < 2_000 for f in kept["faults"][1:]) >= 5, kept
 
 
 @pytest.mark.skipif(process_setup.glibc() is None, reason="glibc's malloc only")
@@ -79,7 +79,7 @@ def test_main_keeps_freed_memory_for_fine_tuning_only():
     not get it at all."""
     finetune = probe("configs/finetune.py:task=sentiment_rt,init=")
     assert finetune["kept"], finetune
-    assert sum(f < 2_000 for f in finetune["faults"][1:]) >= 4, finetune
+    assert sum(f < 2_000 for f in finetune["faults"][1:]) >= 5, finetune
     pretrain = probe("configs/pretrain.py:size=tiny")
     assert not pretrain["kept"] and min(pretrain["faults"][1:]) > 20_000, pretrain
 

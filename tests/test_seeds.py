@@ -23,7 +23,7 @@ from test_finetune import (
     tiny_tokenizer_path,
 )
 
-from albert_jax import checkpoint_dirs, checkpointing, finetune, optim, seeds, trees
+from albert_jax import checkpoint_dirs, finetune, optim, seeds, trees
 from albert_jax.metrics_writer import read_metrics
 from albert_jax.pretrained import load_pretrained
 from albert_jax.train_state import TrainState, make_step
@@ -185,7 +185,7 @@ def test_fine_tuning_from_one_seed_of_a_four_seed_run(tmp_path_factory, shared_d
         reads.clear()
         with pytest.MonkeyPatch.context() as patch:
             for name in ("read_item_numpy", "read_json_item"):
-                patch.setattr(checkpointing, name, counted(getattr(checkpointing, name)))
+                patch.setattr(checkpoint_dirs, name, counted(getattr(checkpoint_dirs, name)))
             results = finetune.finetune_and_evaluate(again, workdir)
         assert sorted(reads) == ["meta", "params"], reads  # each item of the init read once
         assert results["init"]["source"] == "albert_jax"
