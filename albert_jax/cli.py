@@ -26,7 +26,7 @@ import os
 import re
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from absl import app, flags, logging
@@ -105,6 +105,40 @@ def unknown_override_message(argv: list[str], error: BaseException) -> str | Non
         return None
     hint = f"; did you mean {match.group(1)!r}?" if match else ""
     return f"config: unknown field {key!r} in {flag}{hint}"
+
+
+def override_config(config: Any, overrides: Sequence[str], where: str = "") -> Any:
+    """`config` with `--config.X=V` overrides, parsed by ml_collections against the config's
+    fields and types (the config locked), as main.py's command line parses them.
+
+    Raises:
+      ValueError: an unknown field (named, with the nearest) or a value that does not parse
+        for the field's type; prefixed by `where` ("task sst2: ").
+    """
+    from ml_collections import config_flags
+
+    if not overrides:
+        return config
+    bad = [o for o in overrides if not o.startswith("--config.") or "=" not in o]
+    if bad:
+        raise ValueError(f"{where}write overrides as --config.FIELD=VALUE, got {bad}")
+    # A private FlagValues: config_flags reads the override names from `sys_argv`. An unknown
+    # field fails in the definition, a bad value in the parse.
+    argv = [sys.argv[0] if sys.argv else "albert_jax", *overrides]
+    values = flags.FlagValues()
+    try:
+        config_flags.DEFINE_config_dict(
+            "config", config, flag_values=values, lock_config=True, sys_argv=argv
+        )
+        values(argv)
+    except flags.Error as e:  # a bad value: the message names the flag
+        raise ValueError(f"{where}{one_line(e)}") from e
+    except (AttributeError, KeyError) as e:  # an unknown field: named as main.py names it
+        message = unknown_override_message(list(overrides), e)
+        if message is None:  # no override's: a config file's own bug
+            raise
+        raise ValueError(f"{where}{message}") from e
+    return values.config
 
 
 def run(

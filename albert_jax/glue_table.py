@@ -214,32 +214,7 @@ def task_config(
         train, dev = LOCAL_FILES[task]
         config.data.train_files, config.data.eval_files = str(root / train), str(root / dev)
     set_num_seeds(config, num_seeds)
-    try:
-        return _override(config, overrides)
-    except flags.Error as e:  # a bad value: the message names the flag
-        raise ValueError(f"task {task}: {e}") from e
-    except (AttributeError, KeyError) as e:  # an unknown field: named as main.py names it
-        message = cli.unknown_override_message(list(overrides), e)
-        if message is None:  # no override's: a config file's own bug
-            raise
-        raise ValueError(f"task {task}: {message}") from e
-
-
-def _override(config: Any, overrides: Sequence[str]) -> Any:
-    """`config` with `--config.X=V` overrides, parsed by ml_collections (the config locked)."""
-    from ml_collections import config_flags
-
-    if not overrides:
-        return config
-    # A private FlagValues: config_flags reads the override names from `sys_argv`. An unknown
-    # field fails in the definition, a bad value in the parse.
-    argv = [sys.argv[0] if sys.argv else "glue_table", *overrides]
-    values = flags.FlagValues()
-    config_flags.DEFINE_config_dict(
-        "config", config, flag_values=values, lock_config=True, sys_argv=argv
-    )
-    values(argv)
-    return values.config
+    return cli.override_config(config, overrides, where=f"task {task}: ")
 
 
 # ------------------------------------------------------------------------------------ running

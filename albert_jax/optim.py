@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -105,7 +105,7 @@ def stacked_mask(params: PyTree, stacked: StackedSpec = None) -> PyTree:
 
 
 def stacked_from_logical_axes(
-    boxed_params: PyTree, axis_name: str = "layers"
+    boxed_params: PyTree, axis_name: str = "layers", run_axis: str = "seeds"
 ) -> Callable[[str, Any], bool]:
     """A `stacked` predicate read from Flax logical-axis metadata instead of guessed from shapes.
 
@@ -113,6 +113,8 @@ def stacked_from_logical_axes(
       boxed_params: params still wrapped in `nn.Partitioned` (e.g. `model.init(...)["params"]`
         before `nn.meta.unbox`).
       axis_name: logical name of the stacked axis (our sharding rules call it "layers").
+      run_axis: a leading axis of several runs in one program (`train_state.SEED_AXIS`), which
+        the optimizer never sees (it runs once per run, under `jax.vmap`): skipped.
     Returns:
       predicate(path, leaf) -> True when that leaf's first logical axis is `axis_name`; paths are
       those of the unboxed tree.
@@ -121,6 +123,8 @@ def stacked_from_logical_axes(
     flat, _ = jax.tree_util.tree_flatten_with_path(boxed_params, is_leaf=_is_boxed)
     for path, leaf in flat:
         axes = getattr(leaf, "names", None) if _is_boxed(leaf) else None
+        if axes and axes[0] == run_axis:
+            axes = axes[1:]
         if axes and axes[0] == axis_name:
             names.add(path_to_str(path))
     frozen = frozenset(names)
@@ -139,17 +143,19 @@ def warmup_polynomial_decay(
     end_lr: float = 0.0,
 ) -> optax.Schedule:
     """Official ALBERT schedule: `lr·step/warmup` while step < warmup, else polynomial decay.
+    `base_lr` and `warmup_steps` may be traced scalars (a sweep group's per-run values).
 
     The decay is `(lr − end)·(1 − min(step, total)/total)^power + end`, counted from step 0 (not
     from the end of warmup), exactly as `tf.train.polynomial_decay` is used in `optimization.py`;
     so the learning rate jumps slightly down at the end of warmup.
     """
-    if base_lr <= 0:
-        raise ValueError(f"learning_rate must be > 0, got {base_lr}")
+    if all(isinstance(v, (int, float)) for v in (base_lr, warmup_steps)):  # else traced
+        if base_lr <= 0:
+            raise ValueError(f"learning_rate must be > 0, got {base_lr}")
+        if not 0 <= warmup_steps <= total_steps:
+            raise ValueError(f"warmup_steps must be in [0, num_train_steps], got {warmup_steps}")
     if total_steps <= 0:
         raise ValueError(f"num_train_steps must be > 0, got {total_steps}")
-    if not 0 <= warmup_steps <= total_steps:
-        raise ValueError(f"warmup_steps must be in [0, num_train_steps], got {warmup_steps}")
     if power <= 0:
         raise ValueError(f"lr_poly_power must be > 0, got {power}")
 
@@ -157,9 +163,12 @@ def warmup_polynomial_decay(
         step = jnp.asarray(step, jnp.float32)
         frac = jnp.minimum(step, total_steps) / total_steps
         decayed = (base_lr - end_lr) * (1.0 - frac) ** power + end_lr
-        if warmup_steps == 0:
+        if isinstance(warmup_steps, int) and warmup_steps == 0:
             return decayed
-        warmup = base_lr * step / warmup_steps
+        # A traced warmup (a sweep group's per-run value) may be 0: the division is then
+        # never selected, and max(., 1) keeps it finite.
+        divisor = warmup_steps if isinstance(warmup_steps, int) else jnp.maximum(warmup_steps, 1)
+        warmup = base_lr * step / divisor
         return jnp.where(step < warmup_steps, warmup, decayed)
 
     return schedule
@@ -371,7 +380,48 @@ def _check_number(name: str, value: Any, low: float, high: float | None = None) 
     return float(value)
 
 
-def make_optimizer(config: Any, *, stacked: StackedSpec = None) -> optax.GradientTransformation:
+# The optimizer fields whose values may differ between the runs of one program (a sweep
+# group, `train_state.Runs`): numbers the update reads, not shapes. Every other field of the
+# optimizer (its name, num_train_steps, lr_poly_power, clipping on or off) shapes the program.
+PER_RUN_FIELDS = (
+    "learning_rate",
+    "warmup_steps",
+    "weight_decay",
+    "grad_clip_norm",
+    "b1",
+    "b2",
+    "eps",
+)
+
+
+def optimizer_values(config: Any) -> dict[str, Any]:
+    """The checked optimizer fields of `config`: {"optimizer", "learning_rate",
+    "warmup_steps", "num_train_steps", "weight_decay", "grad_clip_norm", "b1", "b2", "eps",
+    "lr_poly_power"}. Raises ValueError naming a missing or out-of-range field."""
+    name = _field(config, "optimizer")
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
+    values: dict[str, Any] = {"optimizer": name}
+    values["learning_rate"] = _check_number("learning_rate", _field(config, "learning_rate"), 0.0)
+    for field in ("warmup_steps", "num_train_steps"):
+        value = _field(config, field)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{field} must be an int, got {value!r}")
+        values[field] = value
+    values["weight_decay"] = _check_number("weight_decay", _field(config, "weight_decay"), 0.0)
+    values["grad_clip_norm"] = _check_number(
+        "grad_clip_norm", _field(config, "grad_clip_norm"), 0.0
+    )
+    values["b1"] = _check_number("b1", _field(config, "b1"), 0.0, 1.0)
+    values["b2"] = _check_number("b2", _field(config, "b2"), 0.0, 1.0)
+    values["eps"] = _check_number("eps", _field(config, "eps"), 0.0)
+    values["lr_poly_power"] = _check_number("lr_poly_power", _field(config, "lr_poly_power"), 0.0)
+    return values
+
+
+def make_optimizer(
+    config: Any, *, stacked: StackedSpec = None, per_run: Mapping[str, jax.Array] | None = None
+) -> optax.GradientTransformation:
     """Global-norm clipping followed by LAMB or AdamW with the warmup + polynomial-decay schedule.
 
     Args:
@@ -379,36 +429,26 @@ def make_optimizer(config: Any, *, stacked: StackedSpec = None) -> optax.Gradien
         `learning_rate`, `warmup_steps`, `num_train_steps`, `weight_decay`, `grad_clip_norm`
         (0 disables clipping), `b1`, `b2`, `eps`, `lr_poly_power`.
       stacked: which leaves stack layers along axis 0 (see `lamb`); ignored by AdamW.
+      per_run: values of `PER_RUN_FIELDS` that replace the config's (scalars traced inside the
+        update of one run of several, `train_state.Runs`); clipping stays as the config has it.
     Raises:
       ValueError naming the field, for a missing or out-of-range value.
     """
-    name = _field(config, "optimizer")
-    if name not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
-    lr = _check_number("learning_rate", _field(config, "learning_rate"), 0.0)
-    warmup = _field(config, "warmup_steps")
-    total = _field(config, "num_train_steps")
-    for field, value in (("warmup_steps", warmup), ("num_train_steps", total)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{field} must be an int, got {value!r}")
-    weight_decay = _check_number("weight_decay", _field(config, "weight_decay"), 0.0)
-    clip = _check_number("grad_clip_norm", _field(config, "grad_clip_norm"), 0.0)
-    b1 = _check_number("b1", _field(config, "b1"), 0.0, 1.0)
-    b2 = _check_number("b2", _field(config, "b2"), 0.0, 1.0)
-    eps = _check_number("eps", _field(config, "eps"), 0.0)
-    power = _check_number("lr_poly_power", _field(config, "lr_poly_power"), 0.0)
-    schedule = warmup_polynomial_decay(lr, warmup, total, power=power)
-
-    common = dict(weight_decay=weight_decay, b1=b1, b2=b2, eps=eps)
-    if name == "lamb":
+    checked = optimizer_values(config)
+    v = {**checked, **(per_run or {})}
+    schedule = warmup_polynomial_decay(
+        v["learning_rate"], v["warmup_steps"], v["num_train_steps"], power=v["lr_poly_power"]
+    )
+    common = dict(weight_decay=v["weight_decay"], b1=v["b1"], b2=v["b2"], eps=v["eps"])
+    if v["optimizer"] == "lamb":
         optimizer = lamb(schedule, stacked=stacked, **common)
     else:
         optimizer = adamw(schedule, **common)
-    if clip == 0.0:
+    if checked["grad_clip_norm"] == 0.0:
         return optimizer
     # The official code clips the (per-core) gradient before the optimizer; here the gradient is
     # already the global mean, so this is one global-norm clip of the true batch gradient.
-    return optax.chain(optax.clip_by_global_norm(clip), optimizer)
+    return optax.chain(optax.clip_by_global_norm(v["grad_clip_norm"]), optimizer)
 
 
 # ----------------------------------------------------------------------------------------------

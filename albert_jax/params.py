@@ -111,31 +111,36 @@ def _format(counts: Mapping[str, int]) -> str:
     return "\n".join(f"{k:>12}: {v:>14,}" for k, v in counts.items())
 
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Run config, e.g. configs/pretrain.py:size=base,sharing=all,embed=128."
-)
-_JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
-_PAPER = flags.DEFINE_bool("paper", False, "Print the paper's Tables 1/3/4 next to our counts.")
+def _define_flags() -> None:
+    """Flags are defined only when run as a program, so importing `count_parameters` (the
+    sweep table does) adds none."""
+    config_flags.DEFINE_config_file(
+        "config", None, "Run config, e.g. configs/pretrain.py:size=base,sharing=all,embed=128."
+    )
+    flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
+    flags.DEFINE_bool("paper", False, "Print the paper's Tables 1/3/4 next to our counts.")
 
 
 def main(argv: list[str]) -> None:
     del argv
-    if _PAPER.value:
+    FLAGS = flags.FLAGS
+    if FLAGS.paper:
         rows = paper_table()
-        if _JSON.value:
+        if FLAGS.json:
             print(json.dumps(rows))
         else:
             for r in rows:
                 mark = "ok" if r["match"] else "MISMATCH"
                 print(f"{r['row']:<34} {r['millions']:>8.2f}M  paper {r['paper']:>4}M  {mark}")
         return
-    if _CONFIG.value is None:
+    if FLAGS.config is None:
         raise app.UsageError("--config is required (or --paper)")
-    counts = count_parameters(model_config_from(_CONFIG.value))
-    print(json.dumps(counts) if _JSON.value else _format(counts))
+    counts = count_parameters(model_config_from(FLAGS.config))
+    print(json.dumps(counts) if FLAGS.json else _format(counts))
 
 
 if __name__ == "__main__":
     from albert_jax import cli
 
+    _define_flags()
     cli.run(main)

@@ -39,9 +39,12 @@ class TaskModel:
     def init_variables(self, rng: jax.Array) -> PyTree:
         return self.kind.init_variables(self.model, rng, self.init_batch)["params"]
 
-    def make_optimizer(self, boxed_params: PyTree) -> optax.GradientTransformation:
+    def make_optimizer(
+        self, boxed_params: PyTree, per_run: Mapping[str, jax.Array] | None = None
+    ) -> optax.GradientTransformation:
         del boxed_params  # AdamW / LAMB with one trust ratio per array
-        return optim.make_optimizer(optimizer_config(self.config, self.total_steps))
+        config = optimizer_config(self.config, self.total_steps)
+        return optim.make_optimizer(config, per_run=per_run)
 
     def loss(self, params: PyTree, batch: Mapping[str, jax.Array], rng: jax.Array):
         return self.kind.loss(self._forward(params, batch, rng), batch)

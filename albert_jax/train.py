@@ -59,13 +59,18 @@ from albert_jax.train_config import RunLayout, validate_config
 PyTree = Any
 
 
-def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
+def train_and_evaluate(
+    config: Any, workdir: str, make_objective: Callable[..., Pretraining] | None = None
+) -> dict[str, Any]:
     """Pretrains ALBERT as `config` says; writes checkpoints, metrics and the tokenizer to
     `workdir` (local or gs://). Returns the metrics of the last logged step (plus `eval_*` of
     the last evaluation) and `preempted` (True when SIGTERM / a preemption notice stopped the
     run after saving; the caller should exit 0 so that a restart resumes). A notice that arrives
     during the last step does not stop anything: that step's save is the final one, and the
     run ends normally (`preempted` False).
+
+    `make_objective(config, workdir, layout, mesh, tokenizer)` builds the objective:
+    `Pretraining` by default, a sweep group's several runs (`sweep_group.GroupedPretraining`).
 
     Raises:
       ValueError: a bad config (before anything is compiled).
@@ -75,10 +80,12 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     layout = validate_config(config)
     workdir = files.absolute(workdir)
     with workdir_lease.hold(workdir) as lease:  # one run per workdir, before it is written
-        return _train(config, workdir, layout, lease)
+        return _train(config, workdir, layout, lease, make_objective or Pretraining)
 
 
-def _train(config: Any, workdir: str, layout: RunLayout, lease: Any) -> dict[str, Any]:
+def _train(
+    config: Any, workdir: str, layout: RunLayout, lease: Any, make_objective: Callable[..., Any]
+) -> dict[str, Any]:
     """`train_and_evaluate` once the config is valid and the workdir leased."""
     compile_cache.use_for_run(config_field(config, "compilation_cache_dir", ""), workdir)
     model_config = layout.model_config
@@ -92,16 +99,15 @@ def _train(config: Any, workdir: str, layout: RunLayout, lease: Any) -> dict[str
         )
     slices = int(config_field(config, "mesh.slices", 0))
     mesh = create_mesh(layout.mesh_shape, devices=layout.devices, slices=slices)
-    objective = Pretraining(config, workdir, layout, mesh, tokenizer)
+    objective = make_objective(config, workdir, layout, mesh, tokenizer)
     peak = _peak_flops(model_config, mesh)
     loop = Loop(objective, config, workdir, mesh, peak=peak, lease=lease)
     try:
         result = loop.run()
+        if not result["preempted"]:
+            objective.finish(loop, result)
     finally:
         loop.close()
-    trained = loop.start_step < objective.total_steps
-    if trained and not result["preempted"] and jax.process_index() == 0:
-        metrics_writer.plot_learning_curve(workdir)
     return result
 
 
@@ -148,10 +154,12 @@ class PretrainingModel:
     def init_variables(self, rng: jax.Array) -> PyTree:
         return init_params(self.model, rng, batch_size=self.init_rows, seq_len=8)["params"]
 
-    def make_optimizer(self, boxed_params: PyTree) -> optax.GradientTransformation:
+    def make_optimizer(
+        self, boxed_params: PyTree, per_run: Mapping[str, jax.Array] | None = None
+    ) -> optax.GradientTransformation:
         # LAMB's trust ratio is per layer for stacked (unshared) weights, read off the axes.
         stacked = optim.stacked_from_logical_axes(boxed_params)
-        return optim.make_optimizer(self.config, stacked=stacked)
+        return optim.make_optimizer(self.config, stacked=stacked, per_run=per_run)
 
     def loss(self, params: PyTree, batch: Mapping[str, jax.Array], rng: jax.Array):
         outputs = self._forward(params, batch, rng)
@@ -272,6 +280,13 @@ class Pretraining(PretrainingModel):
         metrics = evaluate_batches(loop.eval_step, params, self.placed_eval_batches)
         return {**metrics, **self.baselines}  # only what was measured
 
+    def finish(self, loop: Loop, result: Mapping[str, Any]) -> None:
+        """After the last step (not after a preemption): the learning curve of a run that
+        trained."""
+        del result
+        if loop.start_step < self.total_steps and jax.process_index() == 0:
+            metrics_writer.plot_learning_curve(self.workdir)
+
     def close(self) -> None:
         if self.iterator is not None:
             self.iterator.close()
@@ -348,15 +363,24 @@ def evaluate_batches(
     batches: Iterable[Mapping[str, Any]],
 ) -> dict[str, float]:
     """`eval_metrics` of the sums of `eval_step` (a `make_eval_step`, jitted; or the loop's
-    `Loop.eval_step`) over `batches`: the sums are added on the devices and fetched once. What
-    the training loop logs (`Pretraining.evaluate`) and the analysis CLIs report."""
+    `Loop.eval_step`) over `batches`: what the training loop logs (`Pretraining.evaluate`) and
+    the analysis CLIs report."""
+    return eval_metrics(sum_eval_batches(eval_step, params, batches))
+
+
+def sum_eval_batches(
+    eval_step: Callable[[PyTree, Any], Mapping[str, jax.Array]],
+    params: PyTree,
+    batches: Iterable[Mapping[str, Any]],
+) -> dict[str, np.ndarray]:
+    """The sums of `eval_step` over `batches`, added on the devices and fetched once."""
     sums: Mapping[str, jax.Array] | None = None
     for batch in batches:
         out = eval_step(params, batch)
         sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
     if sums is None:
         raise ValueError("evaluate_batches: no batch")
-    return eval_metrics({k: np.asarray(v) for k, v in jax.device_get(sums).items()})
+    return {k: np.asarray(v) for k, v in jax.device_get(sums).items()}
 
 
 # Names of the SOP label split (index = label) in the eval metrics.

@@ -15,12 +15,18 @@ dropout from `key(seed + i + 1)`, exactly as a one-seed run with `seed + i` woul
 is the one-seed update under `jax.vmap`, so clipping, the optimizer and the norms stay per seed.
 The batch holds the N seeds' rows interleaved (row b of seed i at b * N + i: each data shard
 keeps all seeds of its rows, so splitting the axis needs no communication).
+
+A sweep group (`albert_jax.sweep_group`) is the same leading axis seen as runs (`Runs`): each run
+its own init seed, its own values of the optimizer's per-run fields (`optim.PER_RUN_FIELDS`:
+learning rate, warmup, weight decay, ...; traced scalars inside the vmapped update, so one
+program serves them all) and, with `shared_batch`, one batch that every run trains on (the
+input pipeline runs once for the group).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -49,22 +55,54 @@ class TrainState:
 
 @dataclasses.dataclass
 class StateLayout:
-    """The optimizer, abstract state (ShapeDtypeStructs), state shardings and an initializer
+    """The optimizer, abstract state (ShapeDtypeStructs), state shardings, an initializer
     `initialize(loaded={path: host array}) -> TrainState` that places loaded weights and
-    initializes the rest on their devices."""
+    initializes the rest on their devices, the runs, and `tx_for(per-run values)`: one run's
+    optimizer."""
 
     tx: optax.GradientTransformation
     abstract: TrainState
     shardings: TrainState
     initialize: Callable[..., TrainState]
+    runs: Runs
+    tx_for: Callable[[Mapping[str, jax.Array] | None], optax.GradientTransformation]
 
 
-def seed_keys(seed: int, num_seeds: int) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class Runs:
+    """The runs one program trains: a leading axis on the state when there are several.
+
+    seeds: each run's seed (init from `key(seed)`, dropout from `key(seed + 1)`).
+    labels: each run's metric suffix (`loss/<label>`): "seed_<seed>" for fine-tuning seeds.
+    shared_batch: every run trains on the same rows [B, ...] (a sweep group); else the batch
+      holds each run's rows interleaved [B * N, ...] (fine-tuning seeds).
+    optimizer_values: {field of optim.PER_RUN_FIELDS: [N] values} where the runs differ, or
+      None: one optimizer for all.
+    """
+
+    seeds: tuple[int, ...]
+    labels: tuple[str, ...]
+    shared_batch: bool = False
+    optimizer_values: Mapping[str, np.ndarray] | None = None
+
+    @classmethod
+    def of_seeds(cls, seed: int, num_seeds: int = 1) -> Runs:
+        """Seeds `seed, seed + 1, ..., seed + N - 1` (fine-tuning's `num_seeds`)."""
+        seeds = tuple(range(int(seed), int(seed) + int(num_seeds)))
+        return cls(seeds, tuple(f"seed_{s}" for s in seeds))
+
+    @property
+    def n(self) -> int:
+        return len(self.seeds)
+
+
+def seed_keys(seed: int | Sequence[int], num_seeds: int = 1) -> jax.Array:
     """`key(seed)` for one seed; [N] keys `key(seed + i)` for N seeds (run i = the run of
-    `seed + i`)."""
-    if num_seeds == 1:
-        return jax.random.key(seed)
-    return jax.vmap(jax.random.key)(jnp.arange(seed, seed + num_seeds))
+    `seed + i`), or [N] keys of the N seeds given."""
+    seeds = list(seed) if isinstance(seed, Sequence) else list(range(seed, seed + num_seeds))
+    if len(seeds) == 1:
+        return jax.random.key(seeds[0])
+    return jax.vmap(jax.random.key)(jnp.asarray(seeds))
 
 
 def _per_seed(fn: Callable[..., Any], num_seeds: int) -> Callable[..., Any]:
@@ -81,24 +119,40 @@ def _with_seed_axis(boxed: PyTree) -> PyTree:
     )  # fmt: skip
 
 
-def create_state(objective: Any, mesh: Mesh, seed: int, num_seeds: int = 1) -> StateLayout:
+def create_state(
+    objective: Any, mesh: Mesh, seed: int, num_seeds: int = 1, runs: Runs | None = None
+) -> StateLayout:
     """Sharded state creation for `objective` (its `init_variables` and `make_optimizer`);
-    N > 1 `num_seeds`: every array with a leading seed axis [N, ...].
+    N > 1 `num_seeds` (or `runs` of N > 1): every array with a leading run axis [N, ...].
 
     Must run under `jax.set_mesh(mesh)` and `nn.logical_axis_rules(LOGICAL_AXIS_RULES)`.
     Abstract until `initialize` is called: nothing runs on a device here (not even the key),
     so the layout can be made for devices this process cannot run on (`albert_jax.plan`'s
     TPU slice compiled from a CPU machine).
     """
+    # A sweep group's objective names its runs; fine-tuning's seeds follow from `seed`.
+    runs = runs or getattr(objective, "runs", None) or Runs.of_seeds(seed, num_seeds)
+    num_seeds = runs.n
     init_variables = _per_seed(objective.init_variables, num_seeds)
-    boxed = jax.eval_shape(lambda: init_variables(seed_keys(seed, num_seeds)))
+    boxed = jax.eval_shape(lambda: init_variables(seed_keys(runs.seeds)))
     if num_seeds > 1:
         boxed = _with_seed_axis(boxed)
     param_shardings = nn.logical_to_mesh_sharding(
         nn.get_partition_spec(boxed), mesh, LOGICAL_AXIS_RULES
     )
     tx = objective.make_optimizer(boxed)
-    init_opt = _per_seed(tx.init, num_seeds)
+    values = runs.optimizer_values
+
+    def tx_for(per_run: Mapping[str, jax.Array] | None) -> optax.GradientTransformation:
+        """The optimizer of one run: its per-run values (traced) in place of the config's."""
+        return tx if per_run is None else objective.make_optimizer(boxed, per_run=per_run)
+
+    if values:  # each run's optimizer state holds its own hyperparameters (weight decay, ...)
+
+        def init_opt(params: PyTree) -> PyTree:
+            return jax.vmap(lambda v, p: tx_for(v).init(p))(dict(values), params)
+    else:
+        init_opt = _per_seed(tx.init, num_seeds)
     # `.value`, not nn.meta.unbox: unbox would add a sharding constraint to a ShapeDtypeStruct.
     abstract_params = jax.tree.map(
         lambda x: x.value if isinstance(x, nn.meta.AxisMetadata) else x,
@@ -146,14 +200,14 @@ def create_state(objective: Any, mesh: Mesh, seed: int, num_seeds: int = 1) -> S
         if missing:
             out_shardings = {k: flat_shardings[k] for k in missing}
             init_fn = _per_seed(init_missing, num_seeds)
-            fresh = jax.jit(lambda: init_fn(seed_keys(seed, num_seeds)),
+            fresh = jax.jit(lambda: init_fn(seed_keys(runs.seeds)),
                             out_shardings=out_shardings)()  # fmt: skip
         placed = {k: fresh[k] if k in fresh else place(k) for k in flat_abstract}
         params = jax.tree.map(lambda _, x: x, abstract_params, trees.unflatten(placed))
         opt_state = jax.jit(init_opt, out_shardings=opt_shardings)(params)
         return TrainState(jax.device_put(np.int32(0), replicated), params, opt_state)
 
-    return StateLayout(tx, abstract, shardings, initialize)
+    return StateLayout(tx, abstract, shardings, initialize, runs, tx_for)
 
 
 def make_step(
@@ -163,21 +217,27 @@ def make_step(
     microbatches: int,
     seed: int,
     num_seeds: int = 1,
+    runs: Runs | None = None,
+    tx_for: Callable[[Mapping[str, jax.Array] | None], optax.GradientTransformation] | None = None,
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
     """(state, batch) → (state after one update, scalar metrics): `loss_fn`'s metrics plus
     `grad_norm`, `param_norm` and `learning_rate`. Dropout keys are `fold_in(key, step)`.
 
-    N > 1 `num_seeds`: the batch is [B * N, ...] (seeds interleaved, see the module
-    docstring); the metrics are each seed's (`"loss/seed_<seed + i>"`, ...) and, under the
-    plain names, their mean over the seeds still finite (NaN once every seed diverged, which
-    stops the loop), with `seeds_diverged` counting the others.
+    N > 1 `num_seeds` (or `runs`): the batch is [B * N, ...] (seeds interleaved, see the module
+    docstring) or, with `runs.shared_batch`, [B, ...] for every run; the metrics are each run's
+    (`"loss/<label>"`, ...) and, under the plain names, their mean over the runs still finite
+    (NaN once every run diverged, which stops the loop), with `seeds_diverged` counting the
+    others. `tx_for(values)` is one run's optimizer with its `runs.optimizer_values`.
     """
+    runs = runs or Runs.of_seeds(seed, num_seeds)
+    values = dict(runs.optimizer_values) if runs.optimizer_values else None
 
-    def update(params, opt_state, step, batch, dropout_key):
+    def update(params, opt_state, step, batch, dropout_key, per_run):
         rng = jax.random.fold_in(dropout_key, step)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         _, metrics, grads = optim.accumulate_gradients(grad_fn, params, batch, microbatches, rng)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        run_tx = tx if per_run is None or tx_for is None else tx_for(per_run)
+        updates, opt_state = run_tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         metrics = {
             **metrics,
@@ -191,18 +251,22 @@ def make_step(
         # Made while tracing (XLA folds them to constants), not closed over: a device array
         # captured by the step is embedded by copying it to the host, which the loop's
         # transfer guard refuses on an accelerator.
-        dropout_keys = seed_keys(seed + 1, num_seeds)  # independent of the init keys
-        if num_seeds == 1:
+        dropout_keys = seed_keys([s + 1 for s in runs.seeds])  # independent of the init keys
+        if runs.n == 1:
             params, opt_state, metrics = update(
-                state.params, state.opt_state, state.step, batch, dropout_keys
+                state.params, state.opt_state, state.step, batch, dropout_keys, None
             )
         else:
-            rows = {k: v.reshape(v.shape[0] // num_seeds, num_seeds, *v.shape[1:])
-                    for k, v in batch.items()}  # fmt: skip
-            params, opt_state, metrics = jax.vmap(update, in_axes=(0, 0, None, 1, 0))(
-                state.params, state.opt_state, state.step, rows, dropout_keys
+            if runs.shared_batch:
+                rows, batch_axis = batch, None
+            else:
+                rows = {k: v.reshape(v.shape[0] // runs.n, runs.n, *v.shape[1:])
+                        for k, v in batch.items()}  # fmt: skip
+                batch_axis = 1
+            params, opt_state, metrics = jax.vmap(update, in_axes=(0, 0, None, batch_axis, 0, 0))(
+                state.params, state.opt_state, state.step, rows, dropout_keys, values
             )
-            metrics = seed_metrics(metrics, seed)
+            metrics = seed_metrics(metrics, runs.labels)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
@@ -217,7 +281,8 @@ def jit_step(objective: Any, layout: StateLayout, mesh: Mesh, seed: int) -> Call
         layout.tx,
         microbatches=objective.microbatches,
         seed=seed,
-        num_seeds=objective.num_seeds,
+        runs=layout.runs,
+        tx_for=layout.tx_for,
     )
     return jax.jit(
         step,
@@ -227,9 +292,9 @@ def jit_step(objective: Any, layout: StateLayout, mesh: Mesh, seed: int) -> Call
     )
 
 
-def seed_metrics(metrics: Mapping[str, jax.Array], seed: int) -> dict[str, jax.Array]:
-    """Per-seed metrics {name: [N]} → `name/seed_<seed + i>` scalars, and under `name` the
-    mean over the seeds whose loss and norms are finite; `seeds_diverged` counts the rest."""
+def seed_metrics(metrics: Mapping[str, jax.Array], labels: Sequence[str]) -> dict[str, jax.Array]:
+    """Per-run metrics {name: [N]} → `name/<label i>` scalars, and under `name` the mean over
+    the runs whose loss and norms are finite; `seeds_diverged` counts the rest."""
     finite = jnp.isfinite(metrics["loss"])
     for name in ("grad_norm", "param_norm"):
         finite &= jnp.isfinite(metrics[name])
@@ -237,6 +302,6 @@ def seed_metrics(metrics: Mapping[str, jax.Array], seed: int) -> dict[str, jax.A
     out: dict[str, jax.Array] = {"seeds_diverged": finite.size - count}
     for name, values in metrics.items():
         out[name] = jnp.sum(jnp.where(finite, values, 0.0)) / count  # 0 / 0: NaN, all diverged
-        for i in range(values.shape[0]):
-            out[f"{name}/seed_{seed + i}"] = values[i]
+        for i, label in enumerate(labels):
+            out[f"{name}/{label}"] = values[i]
     return out

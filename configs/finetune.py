@@ -49,8 +49,12 @@ LOCAL_PRESETS: dict[str, tuple[float, int, int, int, int, float]] = {
 TASKS = (*GLUE_PRESETS, "squad_v1", "squad_v2", "race", *LOCAL_PRESETS)
 
 
+# The arg keys and their defaults (`--config=FILE:key=value,...`; a sweep tells them from fields).
+ARG_DEFAULTS = dict(task="", init="")
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    arg = parse_arg(arg, task="", init="")
+    arg = parse_arg(arg, **ARG_DEFAULTS)
     if arg.task not in TASKS:
         raise ValueError(f"config arg task={arg.task!r} is not one of {TASKS}")
     task = arg.task

@@ -27,8 +27,12 @@ from configs.common import add_loop, add_mesh, add_optimizer, parse_arg
 SIZES = ("tiny", "base", "large", "xlarge", "xxlarge")
 
 
+# The arg keys and their defaults (`--config=FILE:key=value,...`; a sweep tells them from fields).
+ARG_DEFAULTS = dict(size="base", sharing="all", embed=-1, objective="sop", data="")
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    arg = parse_arg(arg, size="base", sharing="all", embed=-1, objective="sop", data="")
+    arg = parse_arg(arg, **ARG_DEFAULTS)
     if arg.size not in SIZES:
         raise ValueError(f"config arg size={arg.size!r} is not one of {SIZES}")
     tiny = arg.size == "tiny"
@@ -148,16 +152,33 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
 
 def sweep(add) -> None:
-    """The paper's ablation grid (Tables 3, 4, 5) on ALBERT-base.
+    """The paper's ablation grid (Tables 3, 4, 5) at the size of `--config`'s arg:
 
-    `add(**overrides)` receives config-arg overrides; e.g. a launcher turns each call into
-    `--config=configs/pretrain.py:size=base,sharing=...,embed=...,objective=...`.
+        python -m albert_jax.sweep --config=configs/pretrain.py:size=base \
+          --sweep_fn=configs/pretrain.py:sweep --root=gs://BUCKET/ablations
+
+    `add(**overrides)` receives config-arg overrides; a point two tables share (all-shared at
+    E=128 with SOP) is added once: 14 points.
     """
+    added: set[tuple[tuple[str, object], ...]] = set()
+
+    def once(**arg: object) -> None:
+        key = tuple(sorted({"objective": "sop", **arg}.items()))
+        if key not in added:
+            added.add(key)
+            add(**arg)
+
     for sharing in ("none", "all"):  # Table 3: embedding size, not-shared vs all-shared
         for embed in (64, 128, 256, 768):
-            add(size="base", sharing=sharing, embed=embed)
+            once(sharing=sharing, embed=embed)
     for embed in (768, 128):  # Table 4: sharing strategies
         for sharing in ("all", "attention", "ffn", "none"):
-            add(size="base", sharing=sharing, embed=embed)
-    for objective in ("none", "nsp", "sop"):  # Table 5: sentence-level objectives
-        add(size="base", objective=objective)
+            once(sharing=sharing, embed=embed)
+    for objective in ("none", "nsp", "sop"):  # Table 5: sentence-level objectives (E=128)
+        once(sharing="all", embed=128, objective=objective)
+
+
+def sweep_table4(add) -> None:
+    """The paper's Table 4 at E=128: cross-layer sharing all / attention / ffn / none."""
+    for sharing in ("all", "attention", "ffn", "none"):
+        add(sharing=sharing, embed=128)

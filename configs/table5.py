@@ -25,9 +25,12 @@ import ml_collections
 from configs import pretrain
 from configs.common import parse_arg
 
+# The arg keys and their defaults (`--config=FILE:key=value,...`; a sweep tells them from fields).
+ARG_DEFAULTS = dict(objective="sop", data="", steps=7000)
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    arg = parse_arg(arg, objective="sop", data="", steps=7000)
+    arg = parse_arg(arg, **ARG_DEFAULTS)
     data = f",data={arg.data}" if arg.data else ""
     c = pretrain.get_config(f"size=tiny,objective={arg.objective}{data}")
     c.seq_len = 64  # tokens per sequence: segments of ~30 tokens

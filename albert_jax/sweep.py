@@ -1,0 +1,353 @@
+"""Sweeps: one command runs a grid of config overrides, resumably, and tabulates it.
+
+    python -m albert_jax.sweep --config=configs/pretrain.py:size=tiny --root=DIR \\
+      --sweep.learning_rate=1e-3,2e-3,4e-3 --sweep.model.sharing=all,none [--config.X=V ...]
+    python -m albert_jax.sweep --config=configs/pretrain.py:size=tiny \\
+      --sweep_fn=configs/pretrain.py:sweep --root=DIR
+    python -m albert_jax.sweep ... --table_only        # the table again, from the workdirs
+
+The grid (`sweep_grid`): the product of the `--sweep.FIELD` lists, times the points of a sweep
+function; `--config.X=V` applies to every point; pretraining and fine-tuning configs alike. Each
+point runs in ROOT/<its name> through the one training loop (`train.train_and_evaluate` or
+`finetune.finetune_and_evaluate`, in this process, one after the other); every config is built
+and checked before the first point starts.
+
+Points that differ only in the optimizer's per-run fields (learning rate, warmup, weight
+decay, ...) train as one program (`sweep_group`, `--sweep.group=auto`, the default;
+`--sweep.group=none` runs every point alone); the log says why any other point runs alone.
+
+Resumable: each point's workdir records its state in `sweep_point.json`. Running the same
+command again reads the finished points, resumes an interrupted one from its checkpoints (a
+group from ROOT/groups/<name>) and runs the rest; a SIGTERM (or a TPU preemption notice) saves
+the running point and ends the sweep with status 0. A point whose workdir holds a run of
+another config is refused before anything runs, naming both. A failed point is recorded with its
+error and the sweep goes on; the command exits 1 at the end if any failed (a failed point is
+tried again by the next run of the command). Results: ROOT/sweep.json, sweep.md, sweep.png
+(`sweep_table`), rewritten after every point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from absl import app, flags, logging
+
+from albert_jax import cli, files, process_setup, sweep_table
+from albert_jax.sweep_grid import (
+    SWEEP_PREFIX,
+    ConfigFile,
+    Point,
+    build_configs,
+    called_points,
+    config_file,
+    expand,
+    parse_sweep_flags,
+    sweep_function,
+)
+
+GROUPS_DIR = "groups"
+GROUP_MODES = ("auto", "none")
+CONFIG_PREFIX = "--config."
+RUN_CONFIG_FILE = "config.json"  # = run_config.RUN_CONFIG_FILE (not imported: jax-free)
+
+
+@dataclasses.dataclass
+class Sweep:
+    """A sweep's points and configs under `root`; `describe` is the base `--config=` (for
+    the table); `group` is `--sweep.group`; `runner(config, workdir)` runs one point alone
+    (default: main.py's choice of pretraining or fine-tuning)."""
+
+    root: str
+    points: list[Point]
+    configs: list[Any]
+    describe: str
+    group: str = "auto"
+    runner: Callable[[Any, str], Mapping[str, Any]] | None = None
+
+    def workdir(self, point: Point) -> str:
+        return str(files.as_path(self.root) / point.name)
+
+
+# ------------------------------------------------------------------------------------ checks
+def check_root(root: str) -> None:
+    """ROOT must be new, empty, or a sweep's (it has sweep.json): nothing else is overwritten."""
+    path = files.as_path(root)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--root={root} is a file, not a directory")
+    if path.is_dir() and any(path.iterdir()) and not (path / sweep_table.SWEEP_JSON).exists():
+        raise ValueError(
+            f"--root={root} holds files but no {sweep_table.SWEEP_JSON}: it is not a sweep's "
+            "directory; give a new or empty --root"
+        )
+
+
+def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(_flat(value, f"{prefix}{key}."))
+        elif not (prefix == "" and key == "debug"):
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_differences(stored: Mapping[str, Any], config: Any) -> list[str]:
+    """`field: A there, B here` for each field (debugging hooks aside) where a workdir's
+    config.json differs from `config`."""
+    mine = _flat(json.loads(config.to_json_best_effort()))
+    theirs = _flat(stored)
+    keys = sorted(set(mine) | set(theirs))
+    return [f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} here"
+            for k in keys if mine.get(k) != theirs.get(k)]  # fmt: skip
+
+
+def check_workdirs(sweep: Sweep) -> None:
+    """Refuses (before anything runs) a point whose workdir holds a run of another config."""
+    for point, config in zip(sweep.points, sweep.configs, strict=True):
+        path = files.as_path(sweep.workdir(point)) / RUN_CONFIG_FILE
+        if not path.exists():
+            continue
+        differ = config_differences(files.read_json(path), config)
+        if differ:
+            raise ValueError(
+                f"point {point.name}: {path.parent} holds a run of another config "
+                f"({'; '.join(differ[:4])}{'; ...' if len(differ) > 4 else ''}); use another "
+                "--root, or delete that directory to run the point anew"
+            )
+
+
+# ----------------------------------------------------------------------------------- running
+def run_alone(config: Any, workdir: str) -> Mapping[str, Any]:
+    """One point through the one loop: fine-tuning when its config names a task."""
+    if "task" in config:
+        from albert_jax import finetune
+
+        return finetune.finetune_and_evaluate(config, workdir)
+    from albert_jax import train
+
+    return train.train_and_evaluate(config, workdir)
+
+
+def run_group(sweep: Sweep, members: Sequence[int]) -> tuple[str, Mapping[str, Any]]:
+    """Points `members` as one program in ROOT/groups/<name>; returns (name, its result)."""
+    from albert_jax import sweep_group, train
+
+    names = [sweep.points[i].name for i in members]
+    name = "group-" + hashlib.sha1("\n".join(names).encode()).hexdigest()[:10]
+    workdir = str(files.as_path(sweep.root) / GROUPS_DIR / name)
+    configs = [sweep.configs[i] for i in members]
+    dirs = [sweep.workdir(sweep.points[i]) for i in members]
+    files.as_path(workdir).mkdir(parents=True, exist_ok=True)
+    files.write_json(files.as_path(workdir) / "group.json", {"points": names})
+
+    def make_objective(*args: Any) -> Any:
+        return sweep_group.GroupedPretraining(*args, point_configs=configs, point_dirs=dirs)
+
+    return name, train.train_and_evaluate(configs[0], workdir, make_objective=make_objective)
+
+
+def _status(result: Mapping[str, Any]) -> str:
+    return "preempted" if result.get("preempted") else "ok"
+
+
+def run_sweep(sweep: Sweep) -> dict[str, Any]:
+    """Runs every point not finished yet (see the module docstring) and returns the table
+    (ROOT/sweep.json's content), written after every point."""
+    from albert_jax import compile_cache, sweep_group
+
+    check_root(sweep.root)
+    check_workdirs(sweep)
+    files.as_path(sweep.root).mkdir(parents=True, exist_ok=True)
+    # One persistent compilation cache for the sweep: points of one shape compile once.
+    compile_cache.use_for_run(sweep.configs[0].get("compilation_cache_dir", ""), sweep.root)
+    states = {p.name: sweep_table.read_point(sweep.workdir(p)) or {} for p in sweep.points}
+    todo = [i for i, p in enumerate(sweep.points) if states[p.name].get("status") != "ok"]
+    finished = len(sweep.points) - len(todo)
+    logging.info(
+        "sweep: %d points in %s, %d finished before", len(sweep.points), sweep.root, finished
+    )
+    grouped, alone = sweep_group.plan_groups(
+        [sweep.configs[i] for i in todo], sweep.group == "auto"
+    )
+    units = [[todo[i] for i in g] for g in grouped] + [[todo[i]] for i in sorted(alone)]
+    units.sort(key=lambda members: members[0])
+    for i, reason in sorted(alone.items()):
+        if len(todo) > 1:
+            logging.info("point %s runs alone: %s", sweep.points[todo[i]].name, reason)
+    for members in units:
+        if len(members) > 1:
+            logging.info("one program: %s", ", ".join(sweep.points[i].name for i in members))
+    groups: dict[str, Any] = {}
+    write_table(sweep, groups)
+    for members in units:
+        start = time.time()
+        for i in members:
+            _mark(sweep, i, status="running")
+        try:
+            if len(members) > 1:
+                group, result = run_group(sweep, members)
+                groups[group] = {"points": [sweep.points[i].name for i in members]}
+            else:
+                point = sweep.points[members[0]]
+                runner = sweep.runner or run_alone
+                group, result = None, runner(sweep.configs[members[0]], sweep.workdir(point))
+            status, error = _status(result), None
+        except Exception as e:  # recorded in the table; the sweep goes on
+            if not cli.is_expected(e):
+                logging.exception("point %s failed", sweep.points[members[0]].name)
+            group, status, error = None, "failed", f"{type(e).__name__}: {cli.one_line(e)}"
+        wall = time.time() - start
+        for i in members:
+            own, own_error = status, error
+            if group and status == "ok":  # a run of the group may have diverged alone
+                own_error = sweep_group.divergence(sweep.workdir(sweep.points[i]))
+                own = "failed" if own_error else "ok"
+            _mark(sweep, i, status=own, error=own_error, wall_seconds=wall, group=group)
+            note = f" ({own_error})" if own_error else ""
+            logging.info("point %s: %s%s", sweep.points[i].name, own, note)
+        write_table(sweep, groups)
+        if status == "preempted":
+            logging.warning("sweep stopped by preemption; run the same command again to finish")
+            break
+    return write_table(sweep, groups)
+
+
+def _mark(sweep: Sweep, i: int, **fields: Any) -> None:
+    """Updates point i's sweep_point.json (process 0)."""
+    if not _is_first_process():
+        return
+    point = sweep.points[i]
+    workdir = sweep.workdir(point)
+    record = {**(sweep_table.read_point(workdir) or {}), **point.as_dict(), **fields}
+    record["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    sweep_table.write_point(workdir, record)
+
+
+def parameters(config: Any, workdir: str) -> int | None:
+    """The point's parameter count in the paper's convention (`params.count_parameters`'s
+    core): from the config for pretraining, from the run's checkpoint for fine-tuning."""
+    from albert_jax import params
+    from albert_jax.model.config import ModelConfig, model_config_from
+
+    try:
+        if "task" not in config:
+            return params.count_parameters(model_config_from(config))["core"]
+        from albert_jax import checkpoint_dirs
+
+        step_dir = files.as_path(checkpoint_dirs.latest_step_dir(workdir))
+        meta = checkpoint_dirs.read_json_item(step_dir / "meta")
+        return params.count_parameters(ModelConfig.from_dict(meta["model_config"]))["core"]
+    except (ValueError, KeyError, OSError):
+        return None
+
+
+def write_table(sweep: Sweep, groups: Mapping[str, Any]) -> dict[str, Any]:
+    """The table of the sweep's points as their workdirs say, written to ROOT/sweep.*."""
+    rows = []
+    for point, config in zip(sweep.points, sweep.configs, strict=True):
+        workdir = sweep.workdir(point)
+        state = sweep_table.read_point(workdir) or point.as_dict()
+        if state.get("group") and state["group"] not in groups:
+            groups = {**groups, state["group"]: {"points": []}}
+        rows.append(sweep_table.row(workdir, state, parameters(config, workdir)))
+    for name, group in groups.items():
+        group["points"] = [r["name"] for r in rows if r["group"] == name]
+    table = sweep_table.make_table(sweep.describe, rows, groups)
+    if _is_first_process():
+        sweep_table.write(table, sweep.root)
+    return table
+
+
+def _is_first_process() -> bool:
+    """Process 0 writes the sweep's files (JAX is imported only where it already is)."""
+    jax = sys.modules.get("jax")
+    return jax is None or jax.process_index() == 0
+
+
+# --------------------------------------------------------------------------------------- CLI
+def make_sweep(config: str, root: str, argv: Sequence[str], sweep_fn: str | None) -> Sweep:
+    """The sweep of a command line: points and their configs, every one checked."""
+    base: ConfigFile = config_file(config)
+    lists, options = parse_sweep_flags(argv)
+    group = options.get("group", "auto")
+    if group not in GROUP_MODES:
+        raise ValueError(f"--sweep.group={group}: one of {', '.join(GROUP_MODES)}")
+    called = called_points(sweep_function(sweep_fn), base.arg_keys, sweep_fn) if sweep_fn else []
+    if sweep_fn and not called:
+        raise ValueError(f"empty grid: --sweep_fn={sweep_fn} added no point")
+    points = expand(lists, called)
+    common = [a for a in argv if a.startswith(CONFIG_PREFIX)]
+    configs = build_configs(base, points, common)
+    _validate(points, configs)
+    return Sweep(files.absolute(root), points, configs, describe=config, group=group)
+
+
+def _validate(points: Sequence[Point], configs: Sequence[Any]) -> None:
+    """Each point's config passes its run's own checks (before anything is built)."""
+    for point, config in zip(points, configs, strict=True):
+        try:
+            if "task" in config:
+                from albert_jax.finetune_config import validate_config
+            else:
+                from albert_jax.train_config import validate_config
+            validate_config(config)
+        except ValueError as e:
+            raise ValueError(f"point {point.name}: {cli.one_line(e)}") from e
+
+
+def _define_flags() -> None:
+    flags.DEFINE_string(
+        "config", None, "Base config file and arg, e.g. configs/pretrain.py:size=tiny."
+    )
+    flags.DEFINE_string(
+        "root", None, "Sweep directory (local or gs://): a workdir per point, the table."
+    )
+    flags.DEFINE_string("sweep_fn", None, "FILE.py:FUNCTION adding points (config args / fields).")
+    flags.DEFINE_bool(
+        "table_only", False, "Only rebuild ROOT/sweep.{json,md,png} from the workdirs."
+    )
+    flags.mark_flags_as_required(["config", "root"])
+
+
+_grid_args: list[str] = []  # the --sweep.X and --config.X arguments, taken out before absl parses
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl parses the sweep's own flags; `--sweep.` and `--config.` ones are kept apart."""
+    ours = (SWEEP_PREFIX, CONFIG_PREFIX)
+    _grid_args[:] = [a for a in argv[1:] if a.startswith(ours)]
+    return cli.parse_flags([a for a in argv if not a.startswith(ours)])
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    FLAGS = flags.FLAGS
+    sweep = make_sweep(FLAGS.config, FLAGS.root, _grid_args, FLAGS.sweep_fn)
+    if FLAGS.table_only:
+        check_root(sweep.root)
+        table = write_table(sweep, {})
+    else:
+        process_setup.set_up_process(all("task" in c for c in sweep.configs))
+        process_setup.initialize_distributed()  # several processes: each runs the same sweep
+        table = run_sweep(sweep)
+    logging.info("table: %s", files.as_path(sweep.root) / sweep_table.SWEEP_MD)
+    print(sweep_table.render_markdown(table), flush=True)
+    if table["failed"]:
+        logging.error("failed points: %s (see %s)", table["failed"], sweep_table.SWEEP_JSON)
+        sys.exit(1)
+
+
+def run() -> None:
+    _define_flags()
+    cli.run(main, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,244 @@
+"""Sweep points that share every array shape, trained as one program (`--sweep.group=auto`).
+
+Points whose configs differ only in the optimizer's per-run fields (`optim.PER_RUN_FIELDS`:
+learning rate, warmup, weight decay, clipping threshold, Adam's β1 / β2 / ε) compute the same
+shapes: one program with a leading run axis trains them all (`train_state.Runs`). Each run starts
+from its own config's seed, reads its own values of those fields as traced scalars inside the
+vmapped update, and every run trains on the same batch, so the input pipeline runs once for the
+group. What a point computes is what its solo run computes (the test: every logged metric
+within float tolerance).
+
+The group runs in ROOT/groups/<name>/ through the one loop (`train.train_and_evaluate` with
+`GroupedPretraining`), so it checkpoints, resumes and stops on SIGTERM like any run. After its
+last step each point's workdir gets what its solo run would have left (`GroupedPretraining.
+finish`): config.json, metrics.jsonl and TensorBoard events (its own `name/run_<i>` metrics
+under their plain names), the tokenizer, the learning curve, and an Orbax checkpoint of its
+slice of the state (params, optimizer state, data position) that `load_pretrained` reads and a
+solo run of that point resumes from. A run whose numbers went non-finite is dropped from the
+group's means (the loop goes on while one run is finite) and its point is reported as diverged.
+
+Fine-tuning points, and points that differ in anything else (sharing, depth, embedding size,
+batch, seed, dropout, masking), run alone; `plan_groups` says why for each.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from jax.sharding import Mesh
+
+from albert_jax import checkpointing, files, metrics_writer, optim
+from albert_jax.loop import Loop
+from albert_jax.run_config import write_run_config
+from albert_jax.train import Pretraining, eval_metrics, sum_eval_batches
+from albert_jax.train_config import RunLayout
+from albert_jax.train_state import Runs
+
+RUN_LABEL = "run_{}"
+# Fields that never change what a run computes: a group may hold points that differ in them.
+_NOT_COMPUTED = ("debug",)
+
+
+def flat_fields(config: Any) -> dict[str, Any]:
+    """{"a.b": value} of a config (ConfigDict or dict), debugging hooks left out."""
+    tree = (
+        json.loads(config.to_json_best_effort())
+        if hasattr(config, "to_json_best_effort")
+        else config
+    )
+    out: dict[str, Any] = {}
+
+    def walk(node: Mapping[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            if key in _NOT_COMPUTED and not prefix:
+                continue
+            if isinstance(value, Mapping):
+                walk(value, f"{prefix}{key}.")
+            else:
+                out[f"{prefix}{key}"] = value
+
+    walk(tree, "")
+    return out
+
+
+def shape_key(config: Any) -> tuple[Any, ...]:
+    """What must be equal for two points to share a program: every field but the per-run
+    ones, and whether gradients are clipped at all (a threshold of 0 turns clipping off)."""
+    fields = flat_fields(config)
+    clip = float(fields.get("grad_clip_norm", 0.0)) > 0
+    kept = sorted((k, json.dumps(v)) for k, v in fields.items() if k not in optim.PER_RUN_FIELDS)
+    return (clip, *kept)
+
+
+def plan_groups(
+    configs: Sequence[Any], enabled: bool = True
+) -> tuple[list[list[int]], dict[int, str]]:
+    """Splits points (indices into `configs`) into groups of two or more that share a program,
+    and the others, each with the reason it runs alone.
+
+    Returns:
+      (groups: [[index, ...], ...], alone: {index: reason}).
+    """
+    alone: dict[int, str] = {}
+    buckets: dict[tuple[Any, ...], list[int]] = {}
+    for i, config in enumerate(configs):
+        if not enabled:
+            alone[i] = "--sweep.group=none"
+        elif "task" in config:
+            alone[i] = "fine-tuning points run alone (their seeds share a program: num_seeds)"
+        elif int(config.get("mesh", {}).get("slices", 0) or 0) > 1:
+            alone[i] = "mesh.slices > 1: the per-replica forward is not vmapped over runs"
+        else:
+            buckets.setdefault(shape_key(config), []).append(i)
+    groups = [members for members in buckets.values() if len(members) > 1]
+    for members in buckets.values():
+        if len(members) == 1:
+            (i,) = members
+            alone[i] = "no other point differs from it only in " + ", ".join(optim.PER_RUN_FIELDS)
+            differ = _nearest_difference(configs, i)
+            if differ:
+                alone[i] += (
+                    f" (nearest differs in {differ}, which the program's shapes or data depend on)"
+                )
+    return groups, alone
+
+
+def _nearest_difference(configs: Sequence[Any], i: int) -> str:
+    """The non-per-run fields in which point i differs from the point most like it."""
+    mine = flat_fields(configs[i])
+    best: list[str] | None = None
+    for j, other in enumerate(configs):
+        if j == i:
+            continue
+        theirs = flat_fields(other)
+        differ = [k for k in sorted(set(mine) | set(theirs)) if k not in optim.PER_RUN_FIELDS
+                  and mine.get(k) != theirs.get(k)]  # fmt: skip
+        if best is None or len(differ) < len(best):
+            best = differ
+    return ", ".join(best or [])
+
+
+def runs_of(configs: Sequence[Any]) -> Runs:
+    """The group's runs: each point's seed, `run_<i>` labels, one shared batch, and the
+    per-run optimizer fields where the points differ."""
+    values: dict[str, np.ndarray] = {}
+    for field in optim.PER_RUN_FIELDS:
+        column = [c[field] for c in configs]
+        if len(set(column)) > 1:
+            dtype = np.int32 if field == "warmup_steps" else np.float32
+            values[field] = np.asarray(column, dtype)
+    return Runs(
+        seeds=tuple(int(c.seed) for c in configs),
+        labels=tuple(RUN_LABEL.format(i) for i in range(len(configs))),
+        shared_batch=True,
+        optimizer_values=values or None,
+    )
+
+
+class GroupedPretraining(Pretraining):
+    """Pretraining of several points as one program (see the module docstring).
+
+    Args (besides `Pretraining`'s): `point_configs`, the points' configs (the group's config is
+    the first's, with which they share every field but the per-run ones) and `point_dirs`,
+    their workdirs.
+    """
+
+    def __init__(self, config: Any, workdir: str, layout: RunLayout, mesh: Mesh, tokenizer: Any,
+                 *, point_configs: Sequence[Any], point_dirs: Sequence[str]):  # fmt: skip
+        super().__init__(config, workdir, layout, mesh, tokenizer)
+        self.point_configs, self.point_dirs = list(point_configs), list(point_dirs)
+        self.runs = runs_of(self.point_configs)
+        self.num_seeds = self.runs.n
+        if self.flops_per_step is not None:  # every run does a step's work
+            self.flops_per_step *= self.runs.n
+        # One held-out pass scores every run: the eval sums get a leading run axis.
+        self._eval_sums = jax.vmap(self._eval_sums, in_axes=(0, None))
+
+    def evaluate(self, loop: Loop, params: Any) -> dict[str, float]:
+        """Each run's eval metrics as `eval_<metric>/run_<i>`, and the shared baselines."""
+        if self.placed_eval_batches is None:
+            self.placed_eval_batches = [loop.put(b, self.global_batch) for b in self.eval_batches]
+        sums = sum_eval_batches(loop.eval_step, params, self.placed_eval_batches)
+        metrics: dict[str, float] = dict(self.baselines)
+        for i, label in enumerate(self.runs.labels):
+            run = eval_metrics({k: v[i] for k, v in sums.items()})
+            metrics.update({f"{k}/{label}": v for k, v in run.items()})
+        return metrics
+
+    def finish(self, loop: Loop, result: Mapping[str, Any]) -> None:
+        """Writes each point's workdir as its solo run would have left it."""
+        del result
+        step = int(jax.device_get(loop.state.step))
+        records = metrics_writer.read_metrics(self.workdir)
+        tokenizer = files.as_path(self.workdir) / checkpointing.TOKENIZER_FILE
+        data = self.data_state(step)
+        for i, (config, workdir) in enumerate(
+            zip(self.point_configs, self.point_dirs, strict=True)
+        ):
+            label = self.runs.labels[i]
+            own = [point_record(r, label) for r in records]
+            params = jax.tree.map(lambda x, i=i: x[i], loop.state.params)
+            opt_state = jax.tree.map(lambda x, i=i: x[i], loop.state.opt_state)
+            finite = bool(np.isfinite(float(_norm(params))))
+            if jax.process_index() == 0:
+                files.as_path(workdir).mkdir(parents=True, exist_ok=True)
+                writer = metrics_writer.MetricsWriter(workdir)
+                writer.rewind(0)
+                for record in own:
+                    writer.write(record.pop("step"), record)
+                writer.close()
+                write_run_config(config, workdir)
+                if tokenizer.exists():
+                    files.copy(tokenizer, files.as_path(workdir) / checkpointing.TOKENIZER_FILE)
+                metrics_writer.plot_learning_curve(workdir)
+            if not finite:  # as a solo run would: no checkpoint of a diverged state
+                logging.warning(
+                    "group %s: point %s diverged; no checkpoint written", self.workdir, workdir
+                )
+                continue
+            meta = {**self.meta(), "config": json.loads(config.to_json_best_effort())}
+            with checkpointing.Checkpointer(workdir, keep=int(config.keep_checkpoints)) as ckpt:
+                with jax.transfer_guard("allow"):
+                    ckpt.save(step, params=params, opt_state=opt_state, data=data,
+                              meta=checkpointing.checkpoint_meta(self.model_config, step, **meta),
+                              force=True)  # fmt: skip
+                ckpt.wait()
+        if jax.process_index() == 0:
+            metrics_writer.plot_learning_curve(self.workdir)
+
+
+def _norm(tree: Any) -> jax.Array:
+    import optax
+
+    return jax.jit(optax.tree.norm)(tree)
+
+
+def point_record(record: Mapping[str, Any], label: str) -> dict[str, Any]:
+    """One run's record of a group's metrics.jsonl line: its `name/<label>` values under
+    `name`, and what all runs share (step, throughput, the eval baselines); the group's means
+    and the other runs' values are left out."""
+    suffix = "/" + label
+    per_run = {k.rsplit("/", 1)[0] for k in record if "/" in k}
+    out = {k: v for k, v in record.items()
+           if "/" not in k and k not in per_run and k != "seeds_diverged"}  # fmt: skip
+    out.update({k[: -len(suffix)]: v for k, v in record.items() if k.endswith(suffix)})
+    return out
+
+
+def divergence(workdir: str) -> str | None:
+    """Why a grouped point failed where its solo run would have stopped: the first logged
+    step of its metrics.jsonl with a non-finite (null) loss; None if there is none."""
+    for r in metrics_writer.read_metrics(workdir):
+        value = r.get("loss", 0.0)
+        if value is None or (isinstance(value, float) and not math.isfinite(value)):
+            return (
+                f"TrainingDivergedError: non-finite loss by step {r['step']} (the other points "
+                "of its program went on); lower its learning rate"
+            )
+    return None
