@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -47,6 +46,7 @@ from albert_jax.sweep_grid import (
     called_points,
     config_file,
     expand,
+    flat_fields,
     parse_sweep_flags,
     sweep_function,
 )
@@ -87,22 +87,11 @@ def check_root(root: str) -> None:
         )
 
 
-def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            out.update(_flat(value, f"{prefix}{key}."))
-        elif not (prefix == "" and key == "debug"):
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def config_differences(stored: Mapping[str, Any], config: Any) -> list[str]:
     """`field: A there, B here` for each field (debugging hooks aside) where a workdir's
     config.json differs from `config`."""
-    mine = _flat(json.loads(config.to_json_best_effort()))
-    theirs = _flat(stored)
-    keys = sorted(set(mine) | set(theirs))
+    mine, theirs = flat_fields(config), flat_fields(stored)
+    keys = sorted(k for k in set(mine) | set(theirs) if not k.startswith("debug."))
     return [f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} here"
             for k in keys if mine.get(k) != theirs.get(k)]  # fmt: skip
 
@@ -331,7 +320,8 @@ def main(argv: list[str]) -> None:
     FLAGS = flags.FLAGS
     sweep = make_sweep(FLAGS.config, FLAGS.root, _grid_args, FLAGS.sweep_fn)
     if FLAGS.table_only:
-        check_root(sweep.root)
+        if not files.as_path(sweep.root).is_dir():
+            raise ValueError(f"--table_only: no sweep at --root={sweep.root}")
         table = write_table(sweep, {})
     else:
         process_setup.set_up_process(all("task" in c for c in sweep.configs))

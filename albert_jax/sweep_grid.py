@@ -259,3 +259,19 @@ def build_configs(
         seen[key] = point.name
         configs.append(config)
     return configs
+
+
+def flat_fields(config: Any) -> dict[str, Any]:
+    """{"a.b": value} of a config (a ConfigDict, or its JSON as a dict)."""
+    tree = config if isinstance(config, Mapping) else json.loads(config.to_json_best_effort())
+    out: dict[str, Any] = {}
+
+    def walk(node: Mapping[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, Mapping):
+                walk(value, f"{prefix}{key}.")
+            else:
+                out[f"{prefix}{key}"] = value
+
+    walk(tree, "")
+    return out

@@ -36,35 +36,12 @@ from jax.sharding import Mesh
 from albert_jax import checkpointing, files, metrics_writer, optim
 from albert_jax.loop import Loop
 from albert_jax.run_config import write_run_config
+from albert_jax.sweep_grid import flat_fields
 from albert_jax.train import Pretraining, eval_metrics, sum_eval_batches
 from albert_jax.train_config import RunLayout
 from albert_jax.train_state import Runs
 
 RUN_LABEL = "run_{}"
-# Fields that never change what a run computes: a group may hold points that differ in them.
-_NOT_COMPUTED = ("debug",)
-
-
-def flat_fields(config: Any) -> dict[str, Any]:
-    """{"a.b": value} of a config (ConfigDict or dict), debugging hooks left out."""
-    tree = (
-        json.loads(config.to_json_best_effort())
-        if hasattr(config, "to_json_best_effort")
-        else config
-    )
-    out: dict[str, Any] = {}
-
-    def walk(node: Mapping[str, Any], prefix: str) -> None:
-        for key, value in node.items():
-            if key in _NOT_COMPUTED and not prefix:
-                continue
-            if isinstance(value, Mapping):
-                walk(value, f"{prefix}{key}.")
-            else:
-                out[f"{prefix}{key}"] = value
-
-    walk(tree, "")
-    return out
 
 
 def shape_key(config: Any) -> tuple[Any, ...]:
