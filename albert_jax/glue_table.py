@@ -218,84 +218,66 @@ def task_config(
 
 
 # ------------------------------------------------------------------------------------ running
-def run_task(task: str, config: Any, workdir: str) -> dict[str, Any]:
-    """One task's entry of the table: reads DIR/eval_results.json when it exists (not
-    re-run), else fine-tunes; a failure is recorded, not raised."""
-    entry: dict[str, Any] = {"task": task, "column": HEADLINES[task].column, "workdir": workdir}
-    results_path = files.as_path(workdir) / RESULTS_FILE
-    try:
-        if results_path.exists():
-            logging.info("%s: %s exists: not re-run (delete it to re-run)", task, results_path)
-            results = files.read_json(results_path)
-            _check_reused(task, config, results)
-            entry["reused"] = True
-        else:
-            logging.info("%s: fine-tuning in %s", task, workdir)
-            from albert_jax import finetune
-
-            results = finetune.finetune_and_evaluate(config, workdir)
-            entry["reused"] = False
-            if results.get("preempted"):
-                entry["status"] = "preempted"
-                return entry
-        score = read_score(results, task)
-    except Exception as e:  # any failure: recorded in the table, and the sweep goes on
-        logging.exception("%s failed", task)
-        entry.update(status="failed", error=f"{type(e).__name__}: {e}")
-        return entry
-    shown = None if score.value is None else score.value * HEADLINES[task].scale
-    entry.update(status="ok", metric=score.metric, value=score.value, score=shown,
-                 num_seeds=score.num_seeds, secondary=score.secondary)  # fmt: skip
-    if score.per_seed is not None:
-        entry.update(per_seed=score.per_seed, failed_seeds=score.failed_seeds)
-    return entry
-
-
-def _check_reused(task: str, config: Any, results: Mapping[str, Any]) -> None:
-    """Results reused from a workdir must be of this task and this init (else the row would
-    mix runs); another seed count is only warned about."""
-    if results.get("task") != task:
-        raise ValueError(f"{RESULTS_FILE} holds task {results.get('task')!r}, not {task!r}")
-    stored = (results.get("init") or {}).get("path") or ""  # "" = from scratch
-    if (stored and files.absolute(stored.rstrip("/"))) != (
-        config.init and files.absolute(config.init.rstrip("/"))
-    ):
-        raise ValueError(
-            f"{RESULTS_FILE} holds a run from init {stored}, not {config.init}: "
-            "use another --workdir, or delete that task's directory"
-        )
-    asked = int(config.get("num_seeds", 1) or 1)
-    if int(results.get("num_seeds", 1) or 1) != asked:
-        logging.warning(
-            "%s: reused results have %s seed(s), %d asked; delete the directory to re-run",
-            task, results.get("num_seeds", 1), asked,
-        )  # fmt: skip
-
-
 def run_table(init: str, tasks: Sequence[str], workdir: str, overrides: Sequence[str] = (), *,
               num_seeds: int = 1, local_data: str | None = None) -> dict[str, Any]:  # fmt: skip
     """Fine-tunes `init` on each task in WORKDIR/<task>, writes WORKDIR/glue_table.{md,json}
-    (process 0) and returns the table (the JSON's content).
+    (process 0) after every task and returns the table (the JSON's content).
 
-    Every config is built before anything runs, so a bad override or task fails at once.
+    A sweep (`albert_jax.sweep`) with the task as the swept config arg, its points named by
+    the task: every config is built before anything runs (a bad override or task fails at
+    once); a finished task is read, not re-run; a task whose directory holds a run of another
+    config (another init, other overrides) is refused before anything runs, naming both; a
+    failed task is recorded and the others go on; a preemption stops the sweep, and the same
+    command resumes it.
     """
-    configs = {
-        t: task_config(t, init, overrides, num_seeds=num_seeds, local_data=local_data)
-        for t in tasks
-    }
-    root = files.as_path(workdir)
-    entries = {t: {"task": t, "column": HEADLINES[t].column, "workdir": str(root / t),
-                   "status": "not_run"} for t in tasks}  # fmt: skip
-    import jax
+    from albert_jax import sweep, sweep_table
+    from albert_jax.sweep_grid import Point
 
-    for task in tasks:
-        entries[task] = run_task(task, configs[task], str(root / task))
-        table = make_table(init, tasks, entries, num_seeds)
-        if jax.process_index() == 0:  # after each task: a sweep killed midway keeps its rows
-            write_table(table, workdir)
-        if entries[task]["status"] == "preempted":
-            break  # the preemption notice stops the sweep; the same command resumes it
-    return table
+    configs = [task_config(t, init, overrides, num_seeds=num_seeds, local_data=local_data)
+               for t in tasks]  # fmt: skip
+    points = [Point(t, (("task", t), ("init", init))) for t in tasks]
+    run = sweep.Sweep(files.absolute(workdir), points, configs,
+                      describe=f"configs/finetune.py:init={init}", group="none")  # fmt: skip
+    reused = {p.name for p in points
+              if (sweep_table.read_point(run.workdir(p)) or {}).get("status") == "ok"}  # fmt: skip
+
+    def table() -> dict[str, Any]:
+        entries = {
+            t: task_entry(t, run.workdir(p), t in reused)
+            for t, p in zip(tasks, points, strict=True)
+        }
+        made = make_table(init, tasks, entries, num_seeds)
+        if sweep.is_first_process():  # after each task: a sweep killed midway keeps its rows
+            write_table(made, workdir)
+        return made
+
+    run.after_point = table
+    sweep.run_sweep(run)
+    return table()
+
+
+def task_entry(task: str, workdir: str, reused: bool) -> dict[str, Any]:
+    """A task's entry of the table, from its workdir: the score of its eval_results.json
+    (`read_score`), or its status and error as the sweep recorded them."""
+    from albert_jax import sweep_table
+
+    entry: dict[str, Any] = {"task": task, "column": HEADLINES[task].column, "workdir": workdir}
+    point = sweep_table.read_point(workdir) or {}
+    status = point.get("status", "not_run")
+    if status == "failed":
+        return {**entry, "status": "failed", "error": point.get("error")}
+    if status != "ok":
+        return {**entry, "status": "preempted" if status == "preempted" else "not_run"}
+    try:
+        score = read_score(files.read_json(files.as_path(workdir) / RESULTS_FILE), task)
+    except (ValueError, OSError) as e:
+        return {**entry, "status": "failed", "error": f"{type(e).__name__}: {cli.one_line(e)}"}
+    shown = None if score.value is None else score.value * HEADLINES[task].scale
+    entry.update(status="ok", reused=reused, metric=score.metric, value=score.value,
+                 score=shown, num_seeds=score.num_seeds, secondary=score.secondary)  # fmt: skip
+    if score.per_seed is not None:
+        entry.update(per_seed=score.per_seed, failed_seeds=score.failed_seeds)
+    return entry
 
 
 # ---------------------------------------------------------------------------------- the table

@@ -68,7 +68,10 @@ class Sweep:
     configs: list[Any]
     describe: str
     group: str = "auto"
+    base: ConfigFile | None = None  # the `--config=` file (None: a sweep built in code)
+    common: tuple[str, ...] = ()  # the `--config.X=V` overrides every point has
     runner: Callable[[Any, str], Mapping[str, Any]] | None = None
+    after_point: Callable[[], Any] | None = None  # e.g. glue_table's own table, each time
 
     def workdir(self, point: Point) -> str:
         return str(files.as_path(self.root) / point.name)
@@ -157,10 +160,11 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
     compile_cache.use_for_run(sweep.configs[0].get("compilation_cache_dir", ""), sweep.root)
     states = {p.name: sweep_table.read_point(sweep.workdir(p)) or {} for p in sweep.points}
     todo = [i for i, p in enumerate(sweep.points) if states[p.name].get("status") != "ok"]
-    finished = len(sweep.points) - len(todo)
-    logging.info(
-        "sweep: %d points in %s, %d finished before", len(sweep.points), sweep.root, finished
-    )
+    logging.info("sweep: %d points in %s", len(sweep.points), sweep.root)
+    for point in sweep.points:
+        if states[point.name].get("status") == "ok":
+            logging.info("point %s: finished before, not re-run (delete %s to run it again)",
+                         point.name, sweep.workdir(point))  # fmt: skip
     grouped, alone = sweep_group.plan_groups(
         [sweep.configs[i] for i in todo], sweep.group == "auto"
     )
@@ -201,6 +205,8 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
             note = f" ({own_error})" if own_error else ""
             logging.info("point %s: %s%s", sweep.points[i].name, own, note)
         write_table(sweep, groups)
+        if sweep.after_point is not None:
+            sweep.after_point()
         if status == "preempted":
             logging.warning("sweep stopped by preemption; run the same command again to finish")
             break
@@ -209,7 +215,7 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
 
 def _mark(sweep: Sweep, i: int, **fields: Any) -> None:
     """Updates point i's sweep_point.json (process 0)."""
-    if not _is_first_process():
+    if not is_first_process():
         return
     point = sweep.points[i]
     workdir = sweep.workdir(point)
@@ -248,12 +254,12 @@ def write_table(sweep: Sweep, groups: Mapping[str, Any]) -> dict[str, Any]:
     for name, group in groups.items():
         group["points"] = [r["name"] for r in rows if r["group"] == name]
     table = sweep_table.make_table(sweep.describe, rows, groups)
-    if _is_first_process():
+    if is_first_process():
         sweep_table.write(table, sweep.root)
     return table
 
 
-def _is_first_process() -> bool:
+def is_first_process() -> bool:
     """Process 0 writes the sweep's files (JAX is imported only where it already is)."""
     jax = sys.modules.get("jax")
     return jax is None or jax.process_index() == 0
@@ -274,7 +280,29 @@ def make_sweep(config: str, root: str, argv: Sequence[str], sweep_fn: str | None
     common = [a for a in argv if a.startswith(CONFIG_PREFIX)]
     configs = build_configs(base, points, common)
     _validate(points, configs)
-    return Sweep(files.absolute(root), points, configs, describe=config, group=group)
+    return Sweep(files.absolute(root), points, configs, describe=config, group=group,
+                 base=base, common=tuple(common))  # fmt: skip
+
+
+def largest_point_flags(sweep: Sweep) -> list[str]:
+    """`--config=FILE:ARG` and the `--config.X=V` overrides of the point whose program is the
+    largest (parameters, then tokens a step), as `python -m albert_jax.main` or `.plan` take
+    them. A group of points holds one copy of the parameters and optimizer state per point,
+    which for ALBERT's sizes is small beside the activations."""
+    from albert_jax import params
+    from albert_jax.model.config import ModelConfig, model_config_from
+
+    def size(config: Any) -> tuple[int, int]:
+        if "task" in config:
+            model = ModelConfig.preset(config.size)
+            tokens = config.batch_size * config.max_seq_length * config.get("num_seeds", 1)
+        else:
+            model, tokens = model_config_from(config), config.batch_size * config.seq_len
+        return params.count_parameters(model)["total"], tokens
+
+    i = max(range(len(sweep.points)), key=lambda i: size(sweep.configs[i]))
+    point = sweep.points[i]
+    return [f"--config={sweep.base.spec(dict(point.args))}", *sweep.common, *point.overrides()]
 
 
 def _validate(points: Sequence[Point], configs: Sequence[Any]) -> None:
@@ -301,7 +329,10 @@ def _define_flags() -> None:
     flags.DEFINE_bool(
         "table_only", False, "Only rebuild ROOT/sweep.{json,md,png} from the workdirs."
     )
-    flags.mark_flags_as_required(["config", "root"])
+    flags.DEFINE_bool(
+        "largest", False, "Print the largest point's albert_jax.main flags, one a line (no --root)."
+    )
+    flags.mark_flags_as_required(["config"])
 
 
 _grid_args: list[str] = []  # the --sweep.X and --config.X arguments, taken out before absl parses
@@ -318,7 +349,12 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     FLAGS = flags.FLAGS
-    sweep = make_sweep(FLAGS.config, FLAGS.root, _grid_args, FLAGS.sweep_fn)
+    if FLAGS.root is None and not FLAGS.largest:
+        raise app.UsageError("--root is required")
+    sweep = make_sweep(FLAGS.config, FLAGS.root or ".", _grid_args, FLAGS.sweep_fn)
+    if FLAGS.largest:  # `launch/tpu_pod.sh plan` plans it
+        print("\n".join(largest_point_flags(sweep)), flush=True)
+        return
     if FLAGS.table_only:
         if not files.as_path(sweep.root).is_dir():
             raise ValueError(f"--table_only: no sweep at --root={sweep.root}")

@@ -26,7 +26,7 @@ readonly REMOTE_TARBALL=albert_jax_code.tar.gz
 readonly REMOTE_KILL_STALE_TPU='pids=$(sudo lsof -t /dev/accel* /dev/vfio/* 2>/dev/null | sort -u); if [ -n "$pids" ]; then echo "$(hostname): killing stale TPU processes" $pids; sudo kill -9 $pids; for _ in 1 2 3 4 5 6 7 8 9 10; do sudo lsof -t /dev/accel* /dev/vfio/* >/dev/null 2>&1 || break; sleep 1; done; fi; sudo rm -f /tmp/libtpu_lockfile'
 # SIGTERM first, so a run can finish an in-flight checkpoint (up to 30 s), then the hard kill
 # above. The bracket keeps pkill from matching the shell that runs this very command line.
-readonly REMOTE_KILL_TRAINING="sudo pkill -f 'albert_jax[.]main' && for _ in \$(seq 30); do pgrep -f 'albert_jax[.]main' >/dev/null || break; sleep 1; done; ${REMOTE_KILL_STALE_TPU}"
+readonly REMOTE_KILL_TRAINING="sudo pkill -f 'albert_jax[.](main|sweep)' && for _ in \$(seq 30); do pgrep -f 'albert_jax[.](main|sweep)' >/dev/null || break; sleep 1; done; ${REMOTE_KILL_STALE_TPU}"
 
 usage() {
   cat <<EOF
@@ -41,6 +41,11 @@ Subcommands:
   run      kill stale TPU processes, then start training on every worker
            (--config, --workdir=gs://..., --data_dir=gs://... required; in the background with
            the log in ~/${REMOTE_LOG} unless --foreground; --restart for spot/preemptible TPUs)
+  sweep    as run, but a sweep (python -m albert_jax.sweep): --root=gs://... instead of
+           --workdir, the grid as --sweep.FIELD=V1,V2,... and/or --sweep_fn=FILE:FUNCTION; its
+           points run one after the other (or as one program), and the same command resumes
+           it after a preemption (--restart babysits it as it does a run). 'plan' with sweep
+           flags plans the sweep's largest point
   logs     tail ~/${REMOTE_LOG} on worker 0 (--worker=N|all, --lines=N, --follow)
   kill     kill the training processes on all workers
   delete   delete the TPU VM (or, with --queued, the queued resource and its nodes)
@@ -68,6 +73,9 @@ run flags:
   --workdir=gs://...    checkpoints and metrics (shared by all hosts, so Cloud Storage only)
   --data_dir=gs://...   TFDS data dir, exported as TFDS_DATA_DIR on every worker
   --config.KEY=VALUE    config overrides, passed to albert_jax.main as given (also after --)
+  --root=gs://...       sweep: the sweep's directory (a workdir per point, sweep.md)
+  --sweep.FIELD=V1,...  sweep: a swept field (or --sweep.group=auto|none), passed as given
+  --sweep_fn=FILE:FN    sweep: a config file's sweep function
   --foreground          stream the output here instead of running under nohup
   --restart             babysit a spot/preemptible TPU: when the run exits non-zero or the TPU is
                         preempted, wait, re-create the TPU if it is gone/PREEMPTED, set it up
@@ -131,6 +139,8 @@ READY_TIMEOUT_S=7200
 WORKER=0
 LINES=100
 EXTRA_ARGS=()
+SWEEP_ARGS=() # --sweep.* and --sweep_fn: the grid of `sweep` (and of `plan`'s largest point)
+ROOT=""
 
 # Sets the value flag $1 (already normalized: no leading dashes, '-' -> '_') to $2.
 set_value_flag() {
@@ -143,6 +153,8 @@ set_value_flag() {
     qr | queued_resource) QR=$2 ;;
     config) CONFIG=$2 ;;
     workdir) WORKDIR=$2 ;;
+    root) ROOT=$2 ;;
+    sweep_fn) SWEEP_ARGS+=("--sweep_fn=$2") ;;
     data_dir | tfds_data_dir) DATA_DIR=$2 ;;
     max_restarts) MAX_RESTARTS=$2 ;;
     restart_wait_s) RESTART_WAIT_S=$2 ;;
@@ -184,6 +196,7 @@ parse_args() {
         break
         ;;
       --config.*) EXTRA_ARGS+=("$arg") ;; # a config override for albert_jax.main
+      --sweep.*=*) SWEEP_ARGS+=("$arg") ;; # a swept field for albert_jax.sweep
       --*=*)
         key=${arg%%=*}
         key=${key#--}
@@ -231,7 +244,7 @@ default_runtime() { # accelerator-type -> TPU software version for JAX (cloud.go
 
 validate_args() {
   case $SUBCOMMAND in
-    plan | create | setup | run | logs | kill | delete) ;;
+    plan | create | setup | run | sweep | logs | kill | delete) ;;
     "") usage_error "missing subcommand" ;;
     *) usage_error "unknown subcommand: ${SUBCOMMAND}" ;;
   esac
@@ -262,7 +275,19 @@ validate_args() {
     local type_re='^v[0-9][a-z0-9]*-[0-9]+$'
     [[ $TYPE =~ $type_re ]] || die "--type must look like v4-32 or v5litepod-16 (got '${TYPE}')"
   fi
-  if [[ $SUBCOMMAND == run ]]; then
+  if ((${#SWEEP_ARGS[@]} > 0)) && [[ $SUBCOMMAND != sweep ]]; then
+    usage_error "sweep flags (${SWEEP_ARGS[0]} ...) only apply to 'sweep' and 'plan'"
+  fi
+  if [[ $SUBCOMMAND == sweep ]]; then
+    require_flag config "$CONFIG"
+    require_flag root "$ROOT"
+    require_flag data_dir "$DATA_DIR"
+    ((${#SWEEP_ARGS[@]} > 0)) || usage_error "'sweep' needs --sweep.FIELD=V1,V2,... or --sweep_fn"
+    require_gcs_path root "$ROOT" \
+      "every TPU host reads and writes the same checkpoints, so the sweep's root must be in Cloud Storage"
+    require_gcs_path data_dir "$DATA_DIR" \
+      "every TPU host reads the same TFDS datasets, so TFDS_DATA_DIR must be in Cloud Storage"
+  elif [[ $SUBCOMMAND == run ]]; then
     require_flag config "$CONFIG"
     require_flag workdir "$WORKDIR"
     require_flag data_dir "$DATA_DIR"
@@ -271,7 +296,7 @@ validate_args() {
     require_gcs_path data_dir "$DATA_DIR" \
       "every TPU host reads the same TFDS datasets, so TFDS_DATA_DIR must be in Cloud Storage"
   elif ((${#EXTRA_ARGS[@]} > 0)) && [[ $SUBCOMMAND != create || -z $CONFIG ]]; then
-    usage_error "config overrides (${EXTRA_ARGS[0]} ...) only apply to 'run', 'plan' and 'create --config'"
+    usage_error "config overrides (${EXTRA_ARGS[0]} ...) only apply to 'run', 'sweep', 'plan' and 'create --config'"
   fi
   require_int max_restarts "$MAX_RESTARTS"
   require_int restart_wait_s "$RESTART_WAIT_S"
@@ -335,8 +360,20 @@ gcloud_cmd() {
 # The plan (python -m albert_jax.plan) of --config for --type x --num_slices, run from the
 # repository root; with --dry-run printed like the gcloud commands. Extra words go to the plan.
 plan_command() {
-  local -a cmd=("${PYTHON:-python3}" -m albert_jax.plan "--config=${CONFIG}" "--tpu=${TYPE}"
-    "--num_slices=${NUM_SLICES}" "$@" ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"})
+  local -a config=("--config=${CONFIG}" ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"})
+  if ((${#SWEEP_ARGS[@]} > 0)); then # a sweep: its largest point's --config and overrides
+    local -a largest=("${PYTHON:-python3}" -m albert_jax.sweep "${config[@]}" "${SWEEP_ARGS[@]}"
+      --largest)
+    if ((DRY_RUN)); then
+      quote_command "${largest[@]}" >&3
+    else
+      mapfile -t config < <(cd "$REPO_ROOT" && "${largest[@]}") ||
+        die "the sweep's points could not be listed (its error above)"
+      ((${#config[@]} > 0)) || die "the sweep's points could not be listed (its error above)"
+    fi
+  fi
+  local -a cmd=("${PYTHON:-python3}" -m albert_jax.plan "${config[@]}" "--tpu=${TYPE}"
+    "--num_slices=${NUM_SLICES}" "$@")
   if ((DRY_RUN)); then
     quote_command "${cmd[@]}" >&3
     return 0
@@ -580,6 +617,9 @@ setup_workers() {
 
 remote_run_command() {
   local -a main=(python -m albert_jax.main "--config=${CONFIG}" "--workdir=${WORKDIR}")
+  if [[ $SUBCOMMAND == sweep ]]; then # the same points, resumed, when it runs again
+    main=(python -m albert_jax.sweep "--config=${CONFIG}" "--root=${ROOT}" "${SWEEP_ARGS[@]}")
+  fi
   main+=(${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"})
   local train env
   train=$(quote_command "${main[@]}")
@@ -659,7 +699,7 @@ main() {
       create_tpu
       ;;
     setup) setup_workers ;;
-    run)
+    run | sweep)
       if ((RESTART)); then
         run_with_restarts
       else

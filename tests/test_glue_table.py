@@ -137,17 +137,18 @@ def test_rerun_reads_results_instead_of_training(sweep, init_dir, local_data):
     stamps = [os.stat(os.path.join(run, n)).st_mtime_ns for n in names]
     first = _read(os.path.join(sweep, glue_table.TABLE_JSON))
     again = glue_table.run_table(
-        init_dir, ["sentiment_rt"], sweep, ("--config.num_train_steps=6",), local_data=local_data
+        init_dir, ["sentiment_rt"], sweep, OVERRIDES, local_data=local_data
     )
     assert again["results"]["sentiment_rt"]["reused"] is True
     assert again["results"]["sentiment_rt"]["value"] == first["results"]["sentiment_rt"]["value"]
     assert [os.stat(os.path.join(run, n)).st_mtime_ns for n in names] == stamps
-    # Results of another init are refused, not mixed into this row.
-    other = glue_table.run_table(
-        init_dir + "_other", ["sentiment_rt"], sweep, local_data=local_data
-    )
-    assert other["failed"] == ["sentiment_rt"] and other["average"] is None
-    assert "holds a run from init" in other["results"]["sentiment_rt"]["error"]
+    # A run of another init (or other overrides) is refused before anything runs, naming both
+    # configs, not mixed into this row.
+    with pytest.raises(ValueError, match=r"point sentiment_rt: .* holds a run of another config "
+                       r"\(init: '.*albert_tiny' there, '.*albert_tiny_other' here\)"):  # fmt: skip
+        glue_table.run_table(init_dir + "_other", ["sentiment_rt"], sweep, OVERRIDES,
+                             local_data=local_data)  # fmt: skip
+    assert [os.stat(os.path.join(run, n)).st_mtime_ns for n in names] == stamps
 
 
 def test_cli_records_a_failed_task_and_exits_nonzero(sweep, init_dir, local_data):
@@ -156,7 +157,7 @@ def test_cli_records_a_failed_task_and_exits_nonzero(sweep, init_dir, local_data
     first = _read(os.path.join(sweep, "sentiment_rt", "eval_results.json"))
     proc = run_cli(init_dir, "nli_vitaminc,sentiment_rt", sweep, local_data)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "sentiment_rt: " in proc.stderr and "not re-run" in proc.stderr
+    assert "point sentiment_rt: finished before, not re-run" in proc.stderr
     written = _read(os.path.join(sweep, glue_table.TABLE_JSON))
     assert written["failed"] == ["nli_vitaminc"] and written["average"] is None
     failed = written["results"]["nli_vitaminc"]

@@ -656,3 +656,64 @@ def test_dry_run_multi_slice_uses_one_queued_resource_of_n_nodes():
                       f"--zone={ZONE}", "--force", "--quiet"]  # fmt: skip
     refused = launch("create", "--dry-run", *COMMON, "--type=v5p-256", "--num_slices=2")
     assert refused.returncode == 2 and "--num_slices=2 needs --queued" in refused.stderr
+
+
+def test_dry_run_sweep_runs_the_grid_on_every_worker():
+    root = "gs://my-bucket/sweeps/lr"
+    flags = [f"--config={CONFIG}", f"--root={root}", f"--data_dir={DATA_DIR}",
+             "--sweep.learning_rate=1e-3,2e-3", "--sweep_fn=configs/pretrain.py:sweep",
+             "--config.batch_size=512"]  # fmt: skip
+    (words,) = dry_run("sweep", *COMMON, *flags)
+    command = remote_command(words)
+    assert (f"nohup python -m albert_jax.sweep --config={CONFIG} --root={root} "
+            "--sweep.learning_rate=1e-3,2e-3 --sweep_fn=configs/pretrain.py:sweep "
+            "--config.batch_size=512 >> ~/albert_run.log") in command  # fmt: skip
+    # --restart babysits it like a run: in the foreground, the same command after a preemption.
+    restarted = launch("sweep", "--dry-run", "--restart", "--type=v4-32", *COMMON, *flags)
+    assert restarted.returncode == 0, restarted.stderr
+    assert "tee -a ~/albert_run.log" in restarted.stdout
+    # `kill` stops sweeps too.
+    (kill,) = dry_run("kill", *COMMON)
+    assert "albert_jax[.](main|sweep)" in remote_command(kill)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["sweep", *COMMON, f"--config={CONFIG}", "--root=/tmp/x", f"--data_dir={DATA_DIR}",
+          "--sweep.seed=1,2"], "--root must be a gs:// path"),
+        (["sweep", *COMMON, f"--config={CONFIG}", "--root=gs://b/x", f"--data_dir={DATA_DIR}"],
+         "'sweep' needs --sweep.FIELD=V1,V2,... or --sweep_fn"),
+        (["run", *COMMON, *RUN_FLAGS, "--sweep.seed=1,2"],
+         "sweep flags (--sweep.seed=1,2 ...) only apply to 'sweep' and 'plan'"),
+    ],
+)  # fmt: skip
+def test_sweep_arguments_are_checked(args, message):
+    result = launch(*args)
+    assert result.returncode in (1, 2)
+    assert message in result.stderr
+
+
+def test_plan_of_a_sweep_plans_its_largest_point(tmp_path):
+    """`plan` with sweep flags asks the sweep for its largest point and plans that (the plan
+    itself stood in for by a script that prints what it was given)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python = bin_dir / "python"
+    python.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        if [ "$2" = albert_jax.plan ]; then echo "PLAN $*"; exit 0; fi
+        exec {sys.executable} "$@"
+        """))  # fmt: skip
+    python.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(python), "JAX_PLATFORMS": "cpu"}
+    result = launch("plan", "--type=v4-8", "--config=configs/pretrain.py:size=base",
+                    "--sweep.model.sharing=all,none", "--sweep.learning_rate=1e-3,2e-3",
+                    "--config.batch_size=256", env=env)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (line,) = [x for x in result.stdout.splitlines() if x.startswith("PLAN")]
+    assert line.split()[1:] == [
+        "-m", "albert_jax.plan", "--config=configs/pretrain.py:size=base",
+        "--config.batch_size=256", "--config.model.sharing=none", "--config.learning_rate=1e-3",
+        "--tpu=v4-8", "--num_slices=1",
+    ]  # fmt: skip
