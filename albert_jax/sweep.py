@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -52,6 +53,7 @@ from albert_jax.sweep_grid import (
 )
 
 GROUPS_DIR = "groups"
+TOKENIZERS_DIR = "tokenizers"
 GROUP_MODES = ("auto", "none")
 CONFIG_PREFIX = "--config."
 RUN_CONFIG_FILE = "config.json"  # = run_config.RUN_CONFIG_FILE (not imported: jax-free)
@@ -156,6 +158,8 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
     check_root(sweep.root)
     check_workdirs(sweep)
     files.as_path(sweep.root).mkdir(parents=True, exist_ok=True)
+    write_table(sweep, {})  # ROOT is a sweep's from now on
+    train_shared_tokenizers(sweep)
     # One persistent compilation cache for the sweep: points of one shape compile once.
     compile_cache.use_for_run(sweep.configs[0].get("compilation_cache_dir", ""), sweep.root)
     states = {p.name: sweep_table.read_point(sweep.workdir(p)) or {} for p in sweep.points}
@@ -177,7 +181,6 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
         if len(members) > 1:
             logging.info("one program: %s", ", ".join(sweep.points[i].name for i in members))
     groups: dict[str, Any] = {}
-    write_table(sweep, groups)
     for members in units:
         start = time.time()
         for i in members:
@@ -279,9 +282,48 @@ def make_sweep(config: str, root: str, argv: Sequence[str], sweep_fn: str | None
     points = expand(lists, called)
     common = [a for a in argv if a.startswith(CONFIG_PREFIX)]
     configs = build_configs(base, points, common)
+    share_tokenizers(configs, files.absolute(root))
     _validate(points, configs)
     return Sweep(files.absolute(root), points, configs, describe=config, group=group,
                  base=base, common=tuple(common))  # fmt: skip
+
+
+def _tokenizer_inputs(config: Any) -> tuple[Any, ...]:
+    """What a pretraining run's own tokenizer is trained from (`prepare.prepare_tokenizer`)."""
+    data = config.data
+    return (data.sources, data.data_dir, data.tokenizer_max_sentences, config.model.vocab_size,
+            config.seed)  # fmt: skip
+
+
+def share_tokenizers(configs: Sequence[Any], root: str) -> None:
+    """Pretraining points that would each train their own tokenizer (`data.tokenizer` unset)
+    on the same text get one, trained once before the first of them runs
+    (ROOT/tokenizers/<key>/tokenizer.model, `train_shared_tokenizers`): their numbers are
+    then measured on the same tokens, and the sweep trains it once instead of N times. Sets
+    `config.data.tokenizer` of those points."""
+    for config in configs:
+        if "task" in config or config.data.tokenizer:
+            continue
+        key = hashlib.sha1(json.dumps(_tokenizer_inputs(config)).encode()).hexdigest()[:10]
+        config.data.tokenizer = str(files.as_path(root) / TOKENIZERS_DIR / key / "tokenizer.model")
+
+
+def train_shared_tokenizers(sweep: Sweep) -> None:
+    """Trains each shared tokenizer (`share_tokenizers`) the sweep does not have yet, as its
+    first point's run would have (the sources built first)."""
+    from albert_jax.prepare import build_sources, prepare_tokenizer
+
+    shared = str(files.as_path(sweep.root) / TOKENIZERS_DIR)
+    done: set[str] = set()
+    for config in sweep.configs:
+        path = config.get("data", {}).get("tokenizer") or ""
+        if not path.startswith(shared) or path in done or files.as_path(path).exists():
+            continue
+        own = config.copy_and_resolve_references()
+        own.data.tokenizer = None
+        build_sources(own)
+        prepare_tokenizer(own, str(files.as_path(path).parent))
+        done.add(path)
 
 
 def largest_point_flags(sweep: Sweep) -> list[str]:

@@ -198,27 +198,34 @@ def write_table(table: Mapping[str, Any], output: str) -> None:
 
 # -------------------------------------------------------------------------------- the sweep
 def run_sweep(config: Any, workdir: str) -> list[str]:
-    """Pretrains `config` once per objective of `OBJECTIVE_ROWS` in WORKDIR/<objective>
-    (finished runs return at once, stopped ones resume); the runs after the first use its
-    tokenizer unless `config.data.tokenizer` names one. Returns the run workdirs, or [] when a
-    preemption notice stopped a run (the same command resumes it)."""
-    from albert_jax import checkpointing, train
+    """Pretrains `config` once per objective of `OBJECTIVE_ROWS` in WORKDIR/<objective>: a
+    sweep (`albert_jax.sweep`) of the objective, so finished runs are read, a stopped one
+    resumes, and all three read one tokenizer (trained once unless `config.data.tokenizer`
+    names one). Returns the run workdirs, or [] when a preemption notice stopped a run (the
+    same command resumes it).
 
-    root = files.as_path(workdir)
-    workdirs = []
+    Raises:
+      ValueError: a run failed (its error; the other runs were still trained).
+    """
+    from albert_jax import sweep
+    from albert_jax.sweep_grid import Point
+
+    points = [Point(objective, fields=(("objective", objective),)) for objective in OBJECTIVE_ROWS]
+    configs = []
     for objective in OBJECTIVE_ROWS:
-        run_config = copy.deepcopy(config)
-        run_config.objective = objective
-        if workdirs and not run_config.data.tokenizer:
-            run_config.data.tokenizer = str(
-                files.as_path(workdirs[0]) / checkpointing.TOKENIZER_FILE
-            )
-        run_dir = str(root / objective)
-        logging.info("pretraining with objective=%s in %s", objective, run_dir)
-        if train.train_and_evaluate(run_config, run_dir)["preempted"]:
-            return []
-        workdirs.append(run_dir)
-    return workdirs
+        configs.append(copy.deepcopy(config))
+        configs[-1].objective = objective
+    root = files.absolute(workdir)
+    sweep.share_tokenizers(configs, root)
+    run = sweep.Sweep(root, points, configs, describe="Table 5: objective none / nsp / sop",
+                      group="none")  # fmt: skip
+    table = sweep.run_sweep(run)
+    if table["failed"]:
+        errors = "; ".join(f"{r['name']}: {r['error']}" for r in table["points"] if r["error"])
+        raise ValueError(f"pretraining failed ({errors}); run the same command again")
+    if table["not_finished"]:
+        return []
+    return [run.workdir(point) for point in points]
 
 
 # --------------------------------------------------------------------------------------- CLI
