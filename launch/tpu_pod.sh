@@ -360,20 +360,22 @@ gcloud_cmd() {
 # The plan (python -m albert_jax.plan) of --config for --type x --num_slices, run from the
 # repository root; with --dry-run printed like the gcloud commands. Extra words go to the plan.
 plan_command() {
-  local -a config=("--config=${CONFIG}" ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"})
+  local -a config=("--config=${CONFIG}") overrides=(${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"})
   if ((${#SWEEP_ARGS[@]} > 0)); then # a sweep: its largest point's --config and overrides
-    local -a largest=("${PYTHON:-python3}" -m albert_jax.sweep "${config[@]}" "${SWEEP_ARGS[@]}"
-      --largest)
+    local -a largest=("${PYTHON:-python3}" -m albert_jax.sweep "--config=${CONFIG}"
+      ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"} "${SWEEP_ARGS[@]}" --largest)
     if ((DRY_RUN)); then
       quote_command "${largest[@]}" >&3
     else
-      mapfile -t config < <(cd "$REPO_ROOT" && "${largest[@]}") ||
-        die "the sweep's points could not be listed (its error above)"
-      ((${#config[@]} > 0)) || die "the sweep's points could not be listed (its error above)"
+      local -a point
+      mapfile -t point < <(cd "$REPO_ROOT" && "${largest[@]}")
+      ((${#point[@]} > 0)) || die "the sweep's points could not be listed (its error above)"
+      config=("${point[0]}")
+      overrides=("${point[@]:1}")
     fi
   fi
   local -a cmd=("${PYTHON:-python3}" -m albert_jax.plan "${config[@]}" "--tpu=${TYPE}"
-    "--num_slices=${NUM_SLICES}" "$@")
+    "--num_slices=${NUM_SLICES}" "$@" ${overrides[@]+"${overrides[@]}"})
   if ((DRY_RUN)); then
     quote_command "${cmd[@]}" >&3
     return 0

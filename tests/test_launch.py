@@ -200,7 +200,7 @@ def test_dry_run_kill_stops_training_and_frees_the_tpu():
     (words,) = dry_run("kill", *COMMON)
     assert words[:8] == SSH_ALL
     command = remote_command(words)
-    assert "pkill -f 'albert_jax[.]main'" in command
+    assert "pkill -f 'albert_jax[.](main|sweep)'" in command
     assert "/dev/accel*" in command and "/dev/vfio/*" in command
     assert command.endswith(LOCKFILE_REMOVAL)
 
@@ -713,7 +713,7 @@ def test_plan_of_a_sweep_plans_its_largest_point(tmp_path):
     assert result.returncode == 0, result.stderr
     (line,) = [x for x in result.stdout.splitlines() if x.startswith("PLAN")]
     assert line.split()[1:] == [
-        "-m", "albert_jax.plan", "--config=configs/pretrain.py:size=base",
-        "--config.batch_size=256", "--config.model.sharing=none", "--config.learning_rate=1e-3",
-        "--tpu=v4-8", "--num_slices=1",
+        "-m", "albert_jax.plan", "--config=configs/pretrain.py:size=base", "--tpu=v4-8",
+        "--num_slices=1", "--config.batch_size=256", "--config.model.sharing=none",
+        "--config.learning_rate=1e-3",
     ]  # fmt: skip
