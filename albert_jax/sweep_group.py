@@ -35,9 +35,10 @@ from jax.sharding import Mesh
 
 from albert_jax import checkpointing, files, metrics_writer, optim
 from albert_jax.loop import Loop
+from albert_jax.pretraining_eval import eval_metrics, sum_eval_batches
 from albert_jax.run_config import write_run_config
 from albert_jax.sweep_grid import flat_fields
-from albert_jax.train import Pretraining, eval_metrics, sum_eval_batches
+from albert_jax.train import Pretraining
 from albert_jax.train_config import RunLayout
 from albert_jax.train_state import Runs
 

@@ -37,7 +37,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from albert_jax import optim, trees
+from albert_jax import accumulation, optim, trees
 from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding
 
 PyTree = Any
@@ -235,7 +235,8 @@ def make_step(
     def update(params, opt_state, step, batch, dropout_key, per_run):
         rng = jax.random.fold_in(dropout_key, step)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        _, metrics, grads = optim.accumulate_gradients(grad_fn, params, batch, microbatches, rng)
+        accumulate = accumulation.accumulate_gradients
+        _, metrics, grads = accumulate(grad_fn, params, batch, microbatches, rng)
         run_tx = tx if per_run is None or tx_for is None else tx_for(per_run)
         updates, opt_state = run_tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)

@@ -42,7 +42,7 @@ from test_train import (
     tiny_command,
 )
 
-from albert_jax import checkpoint_dirs, checkpointing, metrics_writer, train
+from albert_jax import checkpoint_dirs, checkpointing, metrics_writer, pretraining_eval, train
 from albert_jax.data import pipeline
 from albert_jax.data.data_config import DataConfig, sources_from_spec
 from albert_jax.data.tokenizer import Tokenizer
@@ -489,7 +489,7 @@ def test_empty_eval_shards_are_padding_that_eval_does_not_count(shard_setup, cor
     model = AlbertForPreTraining(model_config_from(config))
     init = jax.jit(lambda rng: nn.meta.unbox(init_params(model, rng, batch_size=1, seq_len=8)))
     params = init(jax.random.key(0))["params"]
-    eval_step = jax.jit(train.make_eval_step(config, model))
+    eval_step = jax.jit(pretraining_eval.make_eval_step(config, model))
     padded = jax.device_get(eval_step(params, batches[0]))
     # The padding rows replaced by real-looking rows (the real ones, labels flipped): still
     # weight 0, so nothing changes.
@@ -504,6 +504,6 @@ def test_empty_eval_shards_are_padding_that_eval_does_not_count(shard_setup, cor
     for key in padded:
         np.testing.assert_allclose(same[key], padded[key], rtol=1e-6, err_msg=key)
     assert padded["sop_loss"] > 0 and padded["mlm_loss"] > 0
-    baselines = train.majority_accuracies(batches, 1000)
+    baselines = pretraining_eval.majority_accuracies(batches, 1000)
     labels = np.concatenate([x["sentence_order_label"][:b] for x in batches])
     assert baselines["eval_sop_majority_accuracy"] == np.bincount(labels).max() / len(labels)

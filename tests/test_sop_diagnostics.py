@@ -41,7 +41,7 @@ from albert_jax.data.instances import (
     create_instances,
 )
 from albert_jax.data.tokenizer import Tokenizer
-from albert_jax.train import eval_metrics
+from albert_jax.pretraining_eval import eval_metrics
 
 SWAPPED_KINDS = (SWAPPED, SPLIT_SWAPPED)
 

@@ -6,7 +6,7 @@ An all-shared ALBERT has one set of layer weights whatever its depth, so the sam
 runs with any number of layer applications (`ModelConfig.with_depth`; a grouped model at a
 multiple of its groups). For each L' this measures what the training loop logs at its
 evaluations, on the same held-out pretraining batches (`analysis.heldout`): eval MLM / SOP
-accuracy and loss (`train.make_eval_step` + `train.evaluate_batches`). At the trained depth the
+accuracy and loss (`pretraining_eval.make_eval_step` + `evaluate_batches`). At the trained depth the
 numbers are the run's own `eval_*` metrics.
 
 Prints one JSON line with --json: `{"layers": [...], "eval_mlm_accuracy": [...],
@@ -29,7 +29,7 @@ from absl import app, flags, logging
 from albert_jax import cli, files, metrics_writer
 from albert_jax.analysis import heldout
 from albert_jax.model.albert import AlbertForPreTraining
-from albert_jax.train import evaluate_batches, make_eval_step
+from albert_jax.pretraining_eval import evaluate_batches, make_eval_step
 
 JSON_FILE = "depth_sweep.json"
 PNG_FILE = "depth_sweep.png"

@@ -25,8 +25,8 @@ from absl import flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from albert_jax import checkpoint_dirs, files
+from albert_jax.pretraining_eval import majority_accuracies
 from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, create_mesh, put_batch
-from albert_jax.train import majority_accuracies
 
 Batch = dict[str, np.ndarray]
 
