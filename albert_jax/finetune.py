@@ -38,7 +38,7 @@ Files written (process 0):
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -124,7 +124,7 @@ class FineTuning(TaskModel):
         self.init_batch = self.data.init_batch
         self.report: dict[str, Any] | None = None  # InitReport.as_dict()
         self.results: dict[str, Any] = {}  # of the last evaluation
-        self.predictions: dict[int, list[Any]] = {}  # {seed: [predictions of each eval set]}
+        self.predictions: list[list[Any]] = []  # [run][eval set]: each run's predictions
 
     def _tokenizer(self, init: Checkpoint | None) -> tuple[Any, str | None]:
         from albert_jax.data.tokenizer import Tokenizer
@@ -217,8 +217,9 @@ class FineTuning(TaskModel):
         """Scores every eval set (metrics prefixed by the set name when there are several) and
         keeps the results and predictions; returns the numeric ones as `eval_*` (N seeds: the
         median over the seeds, and each seed's as `eval_<metric>/seed_<seed>`)."""
-        per_seed: dict[int, dict[str, Any]] = {seed: {} for seed in self.seeds}
-        self.predictions = {seed: [] for seed in self.seeds}
+        runs = self.num_seeds
+        per_run: list[dict[str, Any]] = [{} for _ in range(runs)]
+        self.predictions = [[] for _ in range(runs)]
 
         def run(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
             return fetch(loop.eval_step(params, loop.put(batch, rows)))
@@ -227,22 +228,25 @@ class FineTuning(TaskModel):
         for eval_set, features in self.data.eval_pairs():
             outputs = self.data.eval_outputs(features, run)
             prefix = f"{eval_set.name}/" if several else ""
-            for i, seed in enumerate(self.seeds):
-                seed_outputs = outputs if self.num_seeds == 1 else {
-                    k: v[:, i] for k, v in outputs.items()
-                }  # fmt: skip
+            for i in range(runs):
+                run_outputs = outputs if runs == 1 else {k: v[:, i] for k, v in outputs.items()}
                 metrics, predictions = self.kind.score(
-                    eval_set, features, seed_outputs, self.config, self.spec
+                    eval_set, features, run_outputs, self.config, self.spec
                 )
-                per_seed[seed].update({prefix + k: v for k, v in metrics.items()})
-                per_seed[seed][prefix + "num_examples"] = len(eval_set.examples)
-                self.predictions[seed].append(predictions)
-        if self.num_seeds == 1:
-            self.results = per_seed[self.seeds[0]]
+                per_run[i].update({prefix + k: v for k, v in metrics.items()})
+                per_run[i][prefix + "num_examples"] = len(eval_set.examples)
+                self.predictions[i].append(predictions)
+        if runs == 1:
+            self.results = per_run[0]
             return {f"eval_{k}": v for k, v in self.results.items() if seeds.is_number(v)}
         norms = fetch(jax.jit(jax.vmap(optax.tree.norm))(params))
-        finite = {seed: bool(np.isfinite(n)) for seed, n in zip(self.seeds, norms, strict=True)}
-        self.results = seeds.summarize(per_seed, finite)
+        return self.summarize_runs(per_run, [bool(np.isfinite(n)) for n in norms])
+
+    def summarize_runs(self, per_run: list[dict[str, Any]], finite: list[bool]) -> dict[str, Any]:
+        """N seeds' results (`seeds.summarize`: per seed and their statistics) as
+        `self.results`; the logged metrics: the medians and each seed's."""
+        per_seed = dict(zip(self.seeds, per_run, strict=True))
+        self.results = seeds.summarize(per_seed, dict(zip(self.seeds, finite, strict=True)))
         logged = {f"eval_{k}": v for k, v in self.results["median"].items()}
         for seed, metrics in per_seed.items():
             numbers = {k: v for k, v in metrics.items() if seeds.is_number(v)}
@@ -254,24 +258,59 @@ class FineTuning(TaskModel):
         """Each eval set's prediction files (the kind's; suffixed _<k> when there are several;
         N seeds: each seed's in WORKDIR/seed_<seed>/); returns the paths written."""
         written = []
-        for seed, predictions in self.predictions.items():
+        for seed, predictions in zip(self.seeds, self.predictions, strict=True):
             where = self.workdir
             if self.num_seeds > 1:
                 where = str(files.as_path(self.workdir) / f"seed_{seed}")
-                files.as_path(where).mkdir(parents=True, exist_ok=True)
-            pairs = zip(self.data.eval_sets, predictions, strict=True)
-            for k, (eval_set, preds) in enumerate(pairs):
-                suffix = f"_{k}" if len(self.data.eval_sets) > 1 else ""
-                written += self.kind.write_predictions(where, suffix, eval_set, preds)
+            written += self.write_run_predictions(where, predictions)
         return written
+
+    def write_run_predictions(self, where: str, predictions: list[Any]) -> list[str]:
+        """One run's prediction files (of each eval set) in `where`."""
+        files.as_path(where).mkdir(parents=True, exist_ok=True)
+        written = []
+        pairs = zip(self.data.eval_sets, predictions, strict=True)
+        for k, (eval_set, preds) in enumerate(pairs):
+            suffix = f"_{k}" if len(self.data.eval_sets) > 1 else ""
+            written += self.kind.write_predictions(where, suffix, eval_set, preds)
+        return written
+
+    def run_results(self, step: int, metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """eval_results.json of a run that trained to `step`: the task, the step, the
+        evaluation's results (`metrics`, or the run's), the data and init reports (the
+        prediction files are added by the caller)."""
+        metrics = self.results if metrics is None else metrics
+        return {"task": self.config.task, "step": step, **metrics,
+                "data": self.data_report(), "init": self.report, "preempted": False}  # fmt: skip
+
+    def finish(self, loop: Loop, step: int) -> dict[str, Any]:
+        """After the last step: eval_results.json (and the prediction files), N seeds' failed
+        ones restarted (`config.restart_failed_seeds`); returns the results."""
+        del loop
+        config, workdir = self.config, self.workdir
+        results = self.run_results(step)
+        if jax.process_index() == 0:
+            results["prediction_files"] = self.write_predictions()
+        if self.num_seeds > 1 and results["failed_seeds"] and config.restart_failed_seeds:
+            results = _restart_failed_seeds(config, workdir, results)
+        if jax.process_index() == 0:
+            files.write_json(files.as_path(workdir) / EVAL_RESULTS_FILE, results)
+        numbers = results.get("median", results)
+        numbers = {k: v for k, v in numbers.items() if seeds.is_number(v) and k != "step"}
+        logging.info("eval: %s", ", ".join(f"{k} {v:.4g}" for k, v in numbers.items()))
+        return results
 
     def close(self) -> None:
         pass
 
 
-def finetune_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
+def finetune_and_evaluate(
+    config: Any, workdir: str, make_objective: Callable[..., FineTuning] | None = None
+) -> dict[str, Any]:
     """Fine-tunes `config.init` on `config.task` and evaluates it; returns the eval results
     (also written to WORKDIR/eval_results.json; see the module docstring).
+    `make_objective(config, workdir, spec, mesh)` builds the objective: `FineTuning` by
+    default, a sweep group's several runs (`sweep_group.GroupedFineTuning`).
 
     Raises:
       ValueError: a bad config or data (before anything is compiled).
@@ -281,10 +320,12 @@ def finetune_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     spec = validate_config(config)
     workdir = files.absolute(workdir)
     with workdir_lease.hold(workdir) as lease:  # one run per workdir, before it is written
-        return _finetune(config, workdir, spec, lease)
+        return _finetune(config, workdir, spec, lease, make_objective or FineTuning)
 
 
-def _finetune(config: Any, workdir: str, spec: Any, lease: Any) -> dict[str, Any]:
+def _finetune(
+    config: Any, workdir: str, spec: Any, lease: Any, make_objective: Callable[..., FineTuning]
+) -> dict[str, Any]:
     """`finetune_and_evaluate` once the config is valid and the workdir leased."""
     compile_cache.use_for_run(config.get("compilation_cache_dir", ""), workdir)
     # config.mesh.auto sizes the layout by the `size` preset with config.model's fields (the
@@ -293,7 +334,7 @@ def _finetune(config: Any, workdir: str, spec: Any, lease: Any) -> dict[str, Any
     if config.mesh.get("auto", False):
         preset = model_config(config, None, ModelConfig.preset(config.size).vocab_size)
     mesh = create_mesh(*mesh_layout(config, preset), slices=int(config.mesh.get("slices", 0)))
-    objective = FineTuning(config, workdir, spec, mesh)
+    objective = make_objective(config, workdir, spec, mesh)
     loop = Loop(objective, config, workdir, mesh, lease=lease)
     try:
         summary = loop.run()
@@ -303,20 +344,7 @@ def _finetune(config: Any, workdir: str, spec: Any, lease: Any) -> dict[str, Any
     if summary["preempted"]:
         return {"task": config.task, "step": step, "preempted": True,
                 "checkpoint_step": summary["checkpoint_step"]}  # fmt: skip
-    results = {"task": config.task, "step": step, **objective.results}
-    results["data"] = objective.data_report()
-    results["init"] = objective.report
-    results["preempted"] = False
-    if jax.process_index() == 0:
-        results["prediction_files"] = objective.write_predictions()
-    if objective.num_seeds > 1 and results["failed_seeds"] and config.restart_failed_seeds:
-        results = _restart_failed_seeds(config, workdir, results)
-    if jax.process_index() == 0:
-        files.write_json(files.as_path(workdir) / EVAL_RESULTS_FILE, results)
-    numbers = results.get("median", results)
-    numbers = {k: v for k, v in numbers.items() if seeds.is_number(v) and k != "step"}
-    logging.info("eval: %s", ", ".join(f"{k} {v:.4g}" for k, v in numbers.items()))
-    return results
+    return objective.finish(loop, step)  # (the loop closed: a restart of seeds opens its own)
 
 
 RESTART_DIR = "restarted_seeds"

@@ -130,7 +130,7 @@ def run_alone(config: Any, workdir: str) -> Mapping[str, Any]:
 
 def run_group(sweep: Sweep, members: Sequence[int]) -> tuple[str, Mapping[str, Any]]:
     """Points `members` as one program in ROOT/groups/<name>; returns (name, its result)."""
-    from albert_jax import sweep_group, train
+    from albert_jax import sweep_group
 
     names = [sweep.points[i].name for i in members]
     name = "group-" + hashlib.sha1("\n".join(names).encode()).hexdigest()[:10]
@@ -139,11 +139,19 @@ def run_group(sweep: Sweep, members: Sequence[int]) -> tuple[str, Mapping[str, A
     dirs = [sweep.workdir(sweep.points[i]) for i in members]
     files.as_path(workdir).mkdir(parents=True, exist_ok=True)
     files.write_json(files.as_path(workdir) / "group.json", {"points": names})
+    if "task" in configs[0]:
+        from albert_jax import finetune
+
+        objective, run = sweep_group.GroupedFineTuning, finetune.finetune_and_evaluate
+    else:
+        from albert_jax import train
+
+        objective, run = sweep_group.GroupedPretraining, train.train_and_evaluate
 
     def make_objective(*args: Any) -> Any:
-        return sweep_group.GroupedPretraining(*args, point_configs=configs, point_dirs=dirs)
+        return objective(*args, point_configs=configs, point_dirs=dirs)
 
-    return name, train.train_and_evaluate(configs[0], workdir, make_objective=make_objective)
+    return name, run(configs[0], workdir, make_objective=make_objective)
 
 
 def _status(result: Mapping[str, Any]) -> str:

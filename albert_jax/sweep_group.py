@@ -30,10 +30,13 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 from absl import logging
 from jax.sharding import Mesh
 
-from albert_jax import checkpointing, files, metrics_writer, optim
+from albert_jax import checkpointing, files, metrics_writer, optim, seeds
+from albert_jax.finetune import EVAL_RESULTS_FILE, FineTuning
+from albert_jax.finetune_config import optimizer_config
 from albert_jax.loop import Loop
 from albert_jax.pretraining_eval import eval_metrics, sum_eval_batches
 from albert_jax.run_config import write_run_config
@@ -43,6 +46,9 @@ from albert_jax.train_config import RunLayout
 from albert_jax.train_state import Runs
 
 RUN_LABEL = "run_{}"
+# What may differ between the points of one program: the optimizer's per-run fields, and
+# fine-tuning's warmup_fraction (which only sets warmup_steps: `finetune_config.optimizer_config`).
+PER_RUN = (*optim.PER_RUN_FIELDS, "warmup_fraction")
 
 
 def shape_key(config: Any) -> tuple[Any, ...]:
@@ -50,7 +56,7 @@ def shape_key(config: Any) -> tuple[Any, ...]:
     ones, and whether gradients are clipped at all (a threshold of 0 turns clipping off)."""
     fields = flat_fields(config)
     clip = float(fields.get("grad_clip_norm", 0.0)) > 0
-    kept = sorted((k, json.dumps(v)) for k, v in fields.items() if k not in optim.PER_RUN_FIELDS)
+    kept = sorted((k, json.dumps(v)) for k, v in fields.items() if k not in PER_RUN)
     return (clip, *kept)
 
 
@@ -68,8 +74,8 @@ def plan_groups(
     for i, config in enumerate(configs):
         if not enabled:
             alone[i] = "--sweep.group=none"
-        elif "task" in config:
-            alone[i] = "fine-tuning points run alone (their seeds share a program: num_seeds)"
+        elif int(config.get("num_seeds", 1)) > 1:
+            alone[i] = "num_seeds > 1: its seeds are one program already"
         elif int(config.get("mesh", {}).get("slices", 0) or 0) > 1:
             alone[i] = "mesh.slices > 1: the per-replica forward is not vmapped over runs"
         else:
@@ -78,7 +84,7 @@ def plan_groups(
     for members in buckets.values():
         if len(members) == 1:
             (i,) = members
-            alone[i] = "no other point differs from it only in " + ", ".join(optim.PER_RUN_FIELDS)
+            alone[i] = "no other point differs from it only in " + ", ".join(PER_RUN)
             differ = _nearest_difference(configs, i)
             if differ:
                 alone[i] += (
@@ -95,27 +101,27 @@ def _nearest_difference(configs: Sequence[Any], i: int) -> str:
         if j == i:
             continue
         theirs = flat_fields(other)
-        differ = [k for k in sorted(set(mine) | set(theirs)) if k not in optim.PER_RUN_FIELDS
-                  and mine.get(k) != theirs.get(k)]  # fmt: skip
+        differ = [k for k in sorted(set(mine) | set(theirs))
+                  if k not in PER_RUN and mine.get(k) != theirs.get(k)]  # fmt: skip
         if best is None or len(differ) < len(best):
             best = differ
     return ", ".join(best or [])
 
 
-def runs_of(configs: Sequence[Any]) -> Runs:
+def runs_of(values: Sequence[Mapping[str, Any]], seeds: Sequence[int]) -> Runs:
     """The group's runs: each point's seed, `run_<i>` labels, one shared batch, and the
-    per-run optimizer fields where the points differ."""
-    values: dict[str, np.ndarray] = {}
+    per-run optimizer fields (each point's `values`) where the points differ."""
+    differing: dict[str, np.ndarray] = {}
     for field in optim.PER_RUN_FIELDS:
-        column = [c[field] for c in configs]
+        column = [v[field] for v in values]
         if len(set(column)) > 1:
             dtype = np.int32 if field == "warmup_steps" else np.float32
-            values[field] = np.asarray(column, dtype)
+            differing[field] = np.asarray(column, dtype)
     return Runs(
-        seeds=tuple(int(c.seed) for c in configs),
-        labels=tuple(RUN_LABEL.format(i) for i in range(len(configs))),
+        seeds=tuple(int(s) for s in seeds),
+        labels=tuple(RUN_LABEL.format(i) for i in range(len(values))),
         shared_batch=True,
-        optimizer_values=values or None,
+        optimizer_values=differing or None,
     )
 
 
@@ -131,7 +137,7 @@ class GroupedPretraining(Pretraining):
                  *, point_configs: Sequence[Any], point_dirs: Sequence[str]):  # fmt: skip
         super().__init__(config, workdir, layout, mesh, tokenizer)
         self.point_configs, self.point_dirs = list(point_configs), list(point_dirs)
-        self.runs = runs_of(self.point_configs)
+        self.runs = runs_of(self.point_configs, [c.seed for c in self.point_configs])
         self.num_seeds = self.runs.n
         if self.flops_per_step is not None:  # every run does a step's work
             self.flops_per_step *= self.runs.n
@@ -152,49 +158,80 @@ class GroupedPretraining(Pretraining):
     def finish(self, loop: Loop, result: Mapping[str, Any]) -> None:
         """Writes each point's workdir as its solo run would have left it."""
         del result
-        step = int(jax.device_get(loop.state.step))
-        records = metrics_writer.read_metrics(self.workdir)
-        tokenizer = files.as_path(self.workdir) / checkpointing.TOKENIZER_FILE
-        data = self.data_state(step)
-        for i, (config, workdir) in enumerate(
-            zip(self.point_configs, self.point_dirs, strict=True)
-        ):
-            label = self.runs.labels[i]
-            own = [point_record(r, label) for r in records]
-            params = jax.tree.map(lambda x, i=i: x[i], loop.state.params)
-            opt_state = jax.tree.map(lambda x, i=i: x[i], loop.state.opt_state)
-            finite = bool(np.isfinite(float(_norm(params))))
-            if jax.process_index() == 0:
-                files.as_path(workdir).mkdir(parents=True, exist_ok=True)
-                writer = metrics_writer.MetricsWriter(workdir)
-                writer.rewind(0)
-                for record in own:
-                    writer.write(record.pop("step"), record)
-                writer.close()
-                write_run_config(config, workdir)
-                if tokenizer.exists():
-                    files.copy(tokenizer, files.as_path(workdir) / checkpointing.TOKENIZER_FILE)
-                metrics_writer.plot_learning_curve(workdir)
-            if not finite:  # as a solo run would: no checkpoint of a diverged state
-                logging.warning(
-                    "group %s: point %s diverged; no checkpoint written", self.workdir, workdir
-                )
-                continue
-            meta = {**self.meta(), "config": json.loads(config.to_json_best_effort())}
-            with checkpointing.Checkpointer(workdir, keep=int(config.keep_checkpoints)) as ckpt:
-                with jax.transfer_guard("allow"):
-                    ckpt.save(step, params=params, opt_state=opt_state, data=data,
-                              meta=checkpointing.checkpoint_meta(self.model_config, step, **meta),
-                              force=True)  # fmt: skip
-                ckpt.wait()
+        write_points(self, loop, self.data_state(int(jax.device_get(loop.state.step))))
         if jax.process_index() == 0:
             metrics_writer.plot_learning_curve(self.workdir)
 
 
-def _norm(tree: Any) -> jax.Array:
-    import optax
+class GroupedFineTuning(FineTuning):
+    """Fine-tuning of several points (one seed each, the same seed) as one program: the task's
+    batches read once, each point's own optimizer values, each scored on its own."""
 
-    return jax.jit(optax.tree.norm)(tree)
+    def __init__(self, config: Any, workdir: str, spec: Any, mesh: Mesh, *,
+                 point_configs: Sequence[Any], point_dirs: Sequence[str]):  # fmt: skip
+        super().__init__(config, workdir, spec, mesh)  # one seed's data and batch
+        self.point_configs, self.point_dirs = list(point_configs), list(point_dirs)
+        values = [optimizer_config(c, self.total_steps) for c in self.point_configs]
+        self.runs = runs_of(values, [c.seed for c in self.point_configs])
+        self.num_seeds = self.runs.n  # the state's leading axis; the batch is shared
+        self.run_results_: list[dict[str, Any]] = []
+
+    def summarize_runs(self, per_run: list[dict[str, Any]], finite: list[bool]) -> dict[str, Any]:
+        """Each point's results as its solo run's; logged as `eval_<metric>/run_<i>`."""
+        self.run_results_ = per_run
+        self.results = {}
+        return {f"eval_{k}/{label}": v for label, metrics in zip(self.runs.labels, per_run,
+                                                                 strict=True)
+                for k, v in metrics.items() if seeds.is_number(v)}  # fmt: skip
+
+    def finish(self, loop: Loop, step: int) -> dict[str, Any]:
+        """Each point's workdir as its solo run would have left it: eval_results.json and the
+        prediction files too. Returns the group's summary."""
+        write_points(self, loop, self.data_state(step))
+        for i, workdir in enumerate(self.point_dirs):
+            results = self.run_results(step, self.run_results_[i])
+            if jax.process_index() == 0:
+                results["prediction_files"] = self.write_run_predictions(
+                    workdir, self.predictions[i]
+                )
+                files.write_json(files.as_path(workdir) / EVAL_RESULTS_FILE, results)
+        return {"task": self.config.task, "step": step, "preempted": False,
+                "points": list(self.point_dirs)}  # fmt: skip
+
+
+def write_points(objective: Any, loop: Loop, data: Any) -> None:
+    """Each point of a grouped objective gets, in its workdir, its own metrics.jsonl and
+    TensorBoard events, config.json, the tokenizer, the learning curve, and (unless its state
+    is not finite, as a solo run would not save one) an Orbax checkpoint of its slice of the
+    state with the data position and its config in `meta`."""
+    step = int(jax.device_get(loop.state.step))
+    records = metrics_writer.read_metrics(objective.workdir)
+    tokenizer = files.as_path(objective.workdir) / checkpointing.TOKENIZER_FILE
+    pairs = zip(objective.point_configs, objective.point_dirs, strict=True)
+    for i, (config, workdir) in enumerate(pairs):
+        params = jax.tree.map(lambda x, i=i: x[i], loop.state.params)
+        opt_state = jax.tree.map(lambda x, i=i: x[i], loop.state.opt_state)
+        if jax.process_index() == 0:
+            files.as_path(workdir).mkdir(parents=True, exist_ok=True)
+            writer = metrics_writer.MetricsWriter(workdir)
+            writer.rewind(0)
+            for record in (point_record(r, objective.runs.labels[i]) for r in records):
+                writer.write(record.pop("step"), record)
+            writer.close()
+            write_run_config(config, workdir)
+            if tokenizer.exists():
+                files.copy(tokenizer, files.as_path(workdir) / checkpointing.TOKENIZER_FILE)
+            metrics_writer.plot_learning_curve(workdir)
+        if not np.isfinite(float(jax.jit(optax.tree.norm)(params))):
+            logging.warning("point %s diverged: no checkpoint written", workdir)
+            continue
+        meta = {**objective.meta(), "config": json.loads(config.to_json_best_effort())}
+        meta = checkpointing.checkpoint_meta(objective.model_config, step, **meta)
+        with checkpointing.Checkpointer(workdir, keep=int(config.keep_checkpoints)) as ckpt:
+            with jax.transfer_guard("allow"):
+                ckpt.save(step, params=params, opt_state=opt_state, data=data, meta=meta,
+                          force=True)  # fmt: skip
+            ckpt.wait()
 
 
 def point_record(record: Mapping[str, Any], label: str) -> dict[str, Any]:

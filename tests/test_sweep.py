@@ -15,6 +15,8 @@ import sys
 import numpy as np
 import pytest
 from conftest import xla_flags
+from test_glue_table import OVERRIDES as GLUE_OVERRIDES
+from test_glue_table import init_dir, local_data  # noqa: F401 (fixtures)
 from test_train import REPO, assert_trees_equal, final_state, losses_by_step, small_overrides
 
 from albert_jax import files, metrics_writer, sweep, sweep_grid, sweep_group, sweep_table, train
@@ -257,3 +259,50 @@ def test_a_point_whose_workdir_holds_another_config_is_refused_naming_both(corpu
     with pytest.raises(ValueError, match=r"point learning_rate=0\.003: .* holds a run of another "
                        r"config \(warmup_steps: 5 there, 2 here\)"):  # fmt: skip
         sweep.run_sweep(s)
+
+
+# --------------------------------------------------------------------- fine-tuning, grouped
+def test_fine_tuning_points_of_one_shape_train_as_one_program_exactly_as_alone(
+    init_dir,  # noqa: F811 (test_glue_table's fixture)
+    local_data,  # noqa: F811
+    tmp_path,
+):
+    """Two learning rates (and warmup fractions) of sentiment_rt from a tiny init as one
+    program, against the solo run of the second: the same losses, eval results and
+    predictions."""
+    from albert_jax import finetune
+    from albert_jax.cli import override_config
+    from configs import finetune as finetune_configs
+
+    files_ = [f"--config.data.train_files={local_data}/sentiment_rt/train.jsonl.gz",
+              f"--config.data.eval_files={local_data}/sentiment_rt/dev.jsonl.gz"]  # fmt: skip
+    overrides = [*GLUE_OVERRIDES, *files_, "--config.eval_every_steps=3"]
+    config = f"configs/finetune.py:task=sentiment_rt,init={init_dir}"
+    argv = [*overrides, "--sweep.learning_rate=1e-3,3e-3", "--sweep.warmup_fraction=0,0.5"]
+    s = make(tmp_path / "root", argv, config=config)
+    s.points, s.configs = s.points[::3], s.configs[::3]  # (1e-3, 0) and (3e-3, 0.5)
+    table = sweep.run_sweep(s)
+    assert [r["status"] for r in table["points"]] == ["ok", "ok"] and table["groups"]
+    solo_config = override_config(
+        finetune_configs.get_config(f"task=sentiment_rt,init={init_dir}"),
+        [*overrides, "--config.learning_rate=3e-3", "--config.warmup_fraction=0.5"],
+    )
+    solo = str(tmp_path / "solo")
+    alone = finetune.finetune_and_evaluate(solo_config, solo)
+    point = s.workdir(s.points[1])
+    mine = files.read_json(os.path.join(point, "eval_results.json"))
+    assert mine["accuracy"] == pytest.approx(alone["accuracy"], abs=1e-6)
+    assert mine["step"] == alone["step"] and mine["init"] == alone["init"]
+    with (
+        open(os.path.join(point, "predictions.jsonl")) as a,
+        open(os.path.join(solo, "predictions.jsonl")) as b,
+    ):
+        assert a.read() == b.read()
+    for a, b in zip(metrics_writer.read_metrics(solo), metrics_writer.read_metrics(point),
+                    strict=True):  # fmt: skip
+        assert a["step"] == b["step"]
+        np.testing.assert_allclose(b["loss"], a["loss"], rtol=2e-5)
+        np.testing.assert_allclose(b["learning_rate"], a["learning_rate"], rtol=1e-6)
+    first = files.read_json(os.path.join(s.workdir(s.points[0]), "eval_results.json"))
+    assert first["step"] == mine["step"]
+    assert load_pretrained(point).config.vocab_size > 0
