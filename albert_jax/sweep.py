@@ -29,6 +29,7 @@ tried again by the next run of the command). Results: ROOT/sweep.json, sweep.md,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import sys
@@ -145,8 +146,11 @@ def run_group(sweep: Sweep, members: Sequence[int]) -> tuple[str, Mapping[str, A
         objective, run = sweep_group.GroupedFineTuning, finetune.finetune_and_evaluate
     else:
         from albert_jax import train
+        from albert_jax.train_config import validate_config
 
-        objective, run = sweep_group.GroupedPretraining, train.train_and_evaluate
+        run = train.train_and_evaluate
+        layouts = [validate_config(c) for c in configs]
+        objective = functools.partial(sweep_group.GroupedPretraining, point_layouts=layouts)
 
     def make_objective(*args: Any) -> Any:
         return objective(*args, point_configs=configs, point_dirs=dirs)
@@ -299,8 +303,9 @@ def make_sweep(config: str, root: str, argv: Sequence[str], sweep_fn: str | None
 def _tokenizer_inputs(config: Any) -> tuple[Any, ...]:
     """What a pretraining run's own tokenizer is trained from (`prepare.prepare_tokenizer`)."""
     data = config.data
-    return (data.sources, data.data_dir, data.tokenizer_max_sentences, config.model.vocab_size,
-            config.seed)  # fmt: skip
+    # Not the seed (the sentences sampled): a sweep of seeds shares the first point's tokenizer,
+    # so its points differ in init and data order only.
+    return (data.sources, data.data_dir, data.tokenizer_max_sentences, config.model.vocab_size)
 
 
 def share_tokenizers(configs: Sequence[Any], root: str) -> None:

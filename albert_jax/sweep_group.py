@@ -49,6 +49,17 @@ RUN_LABEL = "run_{}"
 # What may differ between the points of one program: the optimizer's per-run fields, and
 # fine-tuning's warmup_fraction (which only sets warmup_steps: `finetune_config.optimizer_config`).
 PER_RUN = (*optim.PER_RUN_FIELDS, "warmup_fraction")
+# Pretraining's fields that change a run's batches but not their shapes: points that differ in
+# them group too, each run with its own input pipeline (its batches interleaved).
+PER_RUN_DATA = (
+    "seed", "data.masked_lm_prob", "data.short_seq_prob", "data.max_ngram",
+    "data.sop_single_segment",
+)  # fmt: skip
+
+
+def _varying(config: Any) -> tuple[str, ...]:
+    """The fields a point of this kind may differ in and still share a program."""
+    return PER_RUN if "task" in config else (*PER_RUN, *PER_RUN_DATA)
 
 
 def shape_key(config: Any) -> tuple[Any, ...]:
@@ -56,7 +67,8 @@ def shape_key(config: Any) -> tuple[Any, ...]:
     ones, and whether gradients are clipped at all (a threshold of 0 turns clipping off)."""
     fields = flat_fields(config)
     clip = float(fields.get("grad_clip_norm", 0.0)) > 0
-    kept = sorted((k, json.dumps(v)) for k, v in fields.items() if k not in PER_RUN)
+    varying = _varying(config)
+    kept = sorted((k, json.dumps(v)) for k, v in fields.items() if k not in varying)
     return (clip, *kept)
 
 
@@ -84,7 +96,7 @@ def plan_groups(
     for members in buckets.values():
         if len(members) == 1:
             (i,) = members
-            alone[i] = "no other point differs from it only in " + ", ".join(PER_RUN)
+            alone[i] = "no other point differs from it only in " + ", ".join(_varying(configs[i]))
             differ = _nearest_difference(configs, i)
             if differ:
                 alone[i] += (
@@ -101,16 +113,20 @@ def _nearest_difference(configs: Sequence[Any], i: int) -> str:
         if j == i:
             continue
         theirs = flat_fields(other)
+        varying = _varying(configs[i])
         differ = [k for k in sorted(set(mine) | set(theirs))
-                  if k not in PER_RUN and mine.get(k) != theirs.get(k)]  # fmt: skip
+                  if k not in varying and mine.get(k) != theirs.get(k)]  # fmt: skip
         if best is None or len(differ) < len(best):
             best = differ
     return ", ".join(best or [])
 
 
-def runs_of(values: Sequence[Mapping[str, Any]], seeds: Sequence[int]) -> Runs:
-    """The group's runs: each point's seed, `run_<i>` labels, one shared batch, and the
-    per-run optimizer fields (each point's `values`) where the points differ."""
+def runs_of(
+    values: Sequence[Mapping[str, Any]], seeds: Sequence[int], shared_batch: bool = True
+) -> Runs:
+    """The group's runs: each point's seed, `run_<i>` labels, one shared batch (or each its
+    own, interleaved), and the per-run optimizer fields (each point's `values`) where the
+    points differ."""
     differing: dict[str, np.ndarray] = {}
     for field in optim.PER_RUN_FIELDS:
         column = [v[field] for v in values]
@@ -120,7 +136,7 @@ def runs_of(values: Sequence[Mapping[str, Any]], seeds: Sequence[int]) -> Runs:
     return Runs(
         seeds=tuple(int(s) for s in seeds),
         labels=tuple(RUN_LABEL.format(i) for i in range(len(values))),
-        shared_batch=True,
+        shared_batch=shared_batch,
         optimizer_values=differing or None,
     )
 
@@ -129,38 +145,80 @@ class GroupedPretraining(Pretraining):
     """Pretraining of several points as one program (see the module docstring).
 
     Args (besides `Pretraining`'s): `point_configs`, the points' configs (the group's config is
-    the first's, with which they share every field but the per-run ones) and `point_dirs`,
-    their workdirs.
+    the first's, with which they share every field but the per-run ones), `point_dirs`, their
+    workdirs, and `point_layouts`, their `train_config.RunLayout`s. Points whose data
+    settings are the same train on one shared batch; otherwise each run has its own input
+    pipeline (a `Pretraining` data half each) and the batch holds their rows interleaved.
     """
 
     def __init__(self, config: Any, workdir: str, layout: RunLayout, mesh: Mesh, tokenizer: Any,
-                 *, point_configs: Sequence[Any], point_dirs: Sequence[str]):  # fmt: skip
+                 *, point_configs: Sequence[Any], point_dirs: Sequence[str],
+                 point_layouts: Sequence[RunLayout]):  # fmt: skip
         super().__init__(config, workdir, layout, mesh, tokenizer)
         self.point_configs, self.point_dirs = list(point_configs), list(point_dirs)
-        self.runs = runs_of(self.point_configs, [c.seed for c in self.point_configs])
+        shared = all(p.data == layout.data for p in point_layouts)
+        self.members = None if shared else [
+            Pretraining(c, workdir, p, mesh, tokenizer)
+            for c, p in zip(point_configs, point_layouts, strict=True)
+        ]  # fmt: skip
+        self.runs = runs_of(self.point_configs, [c.seed for c in self.point_configs], shared)
         self.num_seeds = self.runs.n
+        self.global_batch *= 1 if shared else self.runs.n
         if self.flops_per_step is not None:  # every run does a step's work
             self.flops_per_step *= self.runs.n
         # One held-out pass scores every run: the eval sums get a leading run axis.
         self._eval_sums = jax.vmap(self._eval_sums, in_axes=(0, None))
 
+    def start(self, step: int, saved_data: Any, meta: Mapping[str, Any] | None) -> None:
+        if self.members is None:
+            return super().start(step, saved_data, meta)
+        saved = saved_data.get("runs") if isinstance(saved_data, Mapping) else None
+        for i, member in enumerate(self.members):
+            member.start(step, saved[i] if saved else None, meta)
+
+    def next_batch(self, step: int) -> dict[str, np.ndarray]:
+        if self.members is None:
+            return super().next_batch(step)
+        return seeds.interleave([m.next_batch(step) for m in self.members])
+
+    def data_state(self, step: int) -> Any:
+        """The shared stream's position, or {"runs": [each run's]}."""
+        if self.members is None:
+            return super().data_state(step)
+        return {"runs": [m.data_state(step) for m in self.members]}
+
     def evaluate(self, loop: Loop, params: Any) -> dict[str, float]:
-        """Each run's eval metrics as `eval_<metric>/run_<i>`, and the shared baselines."""
-        if self.placed_eval_batches is None:
-            self.placed_eval_batches = [loop.put(b, self.global_batch) for b in self.eval_batches]
-        sums = sum_eval_batches(loop.eval_step, params, self.placed_eval_batches)
-        metrics: dict[str, float] = dict(self.baselines)
-        for i, label in enumerate(self.runs.labels):
-            run = eval_metrics({k: v[i] for k, v in sums.items()})
-            metrics.update({f"{k}/{label}": v for k, v in run.items()})
+        """Each run's eval metrics as `eval_<metric>/run_<i>`, with the baselines of its
+        held-out set (shared, or each run's own: then every run is scored on each set and
+        keeps its own set's sums)."""
+        sets = [self] if self.members is None else self.members
+        metrics: dict[str, float] = {}
+        for k, part in enumerate(sets):
+            if part.placed_eval_batches is None:
+                batches = part.eval_batches
+                part.placed_eval_batches = [loop.put(b, int(self.config.batch_size))
+                                            for b in batches]  # fmt: skip
+            sums = sum_eval_batches(loop.eval_step, params, part.placed_eval_batches)
+            runs = range(self.runs.n) if self.members is None else [k]
+            for i in runs:
+                run = {**eval_metrics({n: v[i] for n, v in sums.items()}), **part.baselines}
+                metrics.update({f"{n}/{self.runs.labels[i]}": v for n, v in run.items()})
         return metrics
 
     def finish(self, loop: Loop, result: Mapping[str, Any]) -> None:
         """Writes each point's workdir as its solo run would have left it."""
         del result
-        write_points(self, loop, self.data_state(int(jax.device_get(loop.state.step))))
+        step = int(jax.device_get(loop.state.step))
+        state = self.data_state(step)
+        data = [state] * self.runs.n if self.members is None else state["runs"]
+        write_points(self, loop, data)
         if jax.process_index() == 0:
             metrics_writer.plot_learning_curve(self.workdir)
+
+    def close(self) -> None:
+        super().close()
+        for member in self.members or ():
+            member.close()
 
 
 class GroupedFineTuning(FineTuning):
@@ -187,7 +245,7 @@ class GroupedFineTuning(FineTuning):
     def finish(self, loop: Loop, step: int) -> dict[str, Any]:
         """Each point's workdir as its solo run would have left it: eval_results.json and the
         prediction files too. Returns the group's summary."""
-        write_points(self, loop, self.data_state(step))
+        write_points(self, loop, [self.data_state(step)] * self.runs.n)
         for i, workdir in enumerate(self.point_dirs):
             results = self.run_results(step, self.run_results_[i])
             if jax.process_index() == 0:
@@ -199,11 +257,11 @@ class GroupedFineTuning(FineTuning):
                 "points": list(self.point_dirs)}  # fmt: skip
 
 
-def write_points(objective: Any, loop: Loop, data: Any) -> None:
+def write_points(objective: Any, loop: Loop, data: Sequence[Any]) -> None:
     """Each point of a grouped objective gets, in its workdir, its own metrics.jsonl and
     TensorBoard events, config.json, the tokenizer, the learning curve, and (unless its state
     is not finite, as a solo run would not save one) an Orbax checkpoint of its slice of the
-    state with the data position and its config in `meta`."""
+    state with its data position (`data[i]`) and its config in `meta`."""
     step = int(jax.device_get(loop.state.step))
     records = metrics_writer.read_metrics(objective.workdir)
     tokenizer = files.as_path(objective.workdir) / checkpointing.TOKENIZER_FILE
@@ -229,7 +287,7 @@ def write_points(objective: Any, loop: Loop, data: Any) -> None:
         meta = checkpointing.checkpoint_meta(objective.model_config, step, **meta)
         with checkpointing.Checkpointer(workdir, keep=int(config.keep_checkpoints)) as ckpt:
             with jax.transfer_guard("allow"):
-                ckpt.save(step, params=params, opt_state=opt_state, data=data, meta=meta,
+                ckpt.save(step, params=params, opt_state=opt_state, data=data[i], meta=meta,
                           force=True)  # fmt: skip
             ckpt.wait()
 

@@ -19,7 +19,16 @@ from test_glue_table import OVERRIDES as GLUE_OVERRIDES
 from test_glue_table import init_dir, local_data  # noqa: F401 (fixtures)
 from test_train import REPO, assert_trees_equal, final_state, losses_by_step, small_overrides
 
-from albert_jax import files, metrics_writer, sweep, sweep_grid, sweep_group, sweep_table, train
+from albert_jax import (
+    checkpointing,
+    files,
+    metrics_writer,
+    sweep,
+    sweep_grid,
+    sweep_group,
+    sweep_table,
+    train,
+)
 from albert_jax.pretrained import load_pretrained
 from albert_jax.run_config import with_fields
 from configs import pretrain
@@ -173,6 +182,34 @@ def test_points_of_one_shape_train_as_one_program_exactly_as_alone(grouped):
         md = f.read()
     assert "`learning_rate=0.004` | ok" in md and "one program" in md
     assert os.path.exists(os.path.join(grouped["root"], sweep_table.SWEEP_PNG))
+
+
+def test_points_with_their_own_data_train_as_one_program_exactly_as_alone(corpus, tmp_path):
+    """Two seeds with two masking rates: one program, each run its own input pipeline and
+    held-out set, the second point equal to its solo run."""
+    base = small_overrides(corpus, eval_every_steps=4, eval_batches=2)
+    argv = [*flags_of(base), "--sweep.seed=0,1", "--sweep.data.masked_lm_prob=0.15,0.3"]
+    s = make(tmp_path / "root", argv)
+    s.points, s.configs = s.points[::3], s.configs[::3]  # (0, 0.15) and (1, 0.3)
+    table = sweep.run_sweep(s)
+    assert [r["status"] for r in table["points"]] == ["ok", "ok"] and table["groups"]
+    solo = str(tmp_path / "solo")
+    overrides = {**base, "seed": 1, "data.masked_lm_prob": 0.3}
+    train.train_and_evaluate(with_fields(pretrain.get_config("size=tiny"), **overrides), solo)
+    point = s.workdir(s.points[1])
+    alone, mine = metrics_writer.read_metrics(solo), metrics_writer.read_metrics(point)
+    assert [r["step"] for r in mine] == [r["step"] for r in alone]
+    for a, b in zip(alone, mine, strict=True):
+        assert set(a) == set(b)
+        for key in set(a) - {"examples_per_sec", "mfu", "step"}:
+            np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6, err_msg=key)
+    other = metrics_writer.read_metrics(s.workdir(s.points[0]))
+    assert other[0]["loss"] != mine[0]["loss"]  # another init, other batches
+    # Its checkpoint holds its own data position: a solo run of the point resumes from it.
+    with checkpointing.Checkpointer(point, read_only=True) as ckpt:
+        saved = ckpt.read_json(8, "data")
+    with checkpointing.Checkpointer(solo, read_only=True) as ckpt:
+        assert saved == ckpt.read_json(8, "data")
 
 
 def test_points_of_other_shapes_run_alone_and_say_why(corpus):
