@@ -181,9 +181,15 @@ def run_sweep(sweep: Sweep) -> dict[str, Any]:
         if states[point.name].get("status") == "ok":
             logging.info("point %s: finished before, not re-run (delete %s to run it again)",
                          point.name, sweep.workdir(point))  # fmt: skip
-    grouped, alone = sweep_group.plan_groups(
-        [sweep.configs[i] for i in todo], sweep.group == "auto"
-    )
+    # A point that started a run of its own (a checkpoint in its workdir) resumes it alone.
+    started = {
+        k: "it resumes the run in its workdir"
+        for k, i in enumerate(todo)
+        if not states[sweep.points[i].name].get("group")
+        and (files.as_path(sweep.workdir(sweep.points[i])) / "checkpoints").exists()
+    }
+    configs = [sweep.configs[i] for i in todo]
+    grouped, alone = sweep_group.plan_groups(configs, sweep.group == "auto", started)
     units = [[todo[i] for i in g] for g in grouped] + [[todo[i]] for i in sorted(alone)]
     units.sort(key=lambda members: members[0])
     for i, reason in sorted(alone.items()):

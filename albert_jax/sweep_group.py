@@ -73,10 +73,10 @@ def shape_key(config: Any) -> tuple[Any, ...]:
 
 
 def plan_groups(
-    configs: Sequence[Any], enabled: bool = True
+    configs: Sequence[Any], enabled: bool = True, forced: Mapping[int, str] | None = None
 ) -> tuple[list[list[int]], dict[int, str]]:
     """Splits points (indices into `configs`) into groups of two or more that share a program,
-    and the others, each with the reason it runs alone.
+    and the others, each with the reason it runs alone (`forced`: points that must, and why).
 
     Returns:
       (groups: [[index, ...], ...], alone: {index: reason}).
@@ -84,7 +84,9 @@ def plan_groups(
     alone: dict[int, str] = {}
     buckets: dict[tuple[Any, ...], list[int]] = {}
     for i, config in enumerate(configs):
-        if not enabled:
+        if forced and i in forced:
+            alone[i] = forced[i]
+        elif not enabled:
             alone[i] = "--sweep.group=none"
         elif int(config.get("num_seeds", 1)) > 1:
             alone[i] = "num_seeds > 1: its seeds are one program already"

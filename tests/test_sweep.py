@@ -216,11 +216,13 @@ def test_points_of_other_shapes_run_alone_and_say_why(corpus):
     configs = [
         with_fields(pretrain.get_config("size=tiny"), **small_overrides(corpus, **extra))
         for extra in ({"learning_rate": 0.1}, {"learning_rate": 0.2}, {"model.sharing": "none"},
-                      {"seed": 3})
+                      {"seed": 3, "data.masked_lm_prob": 0.2}, {"batch_size": 8},
+                      {"learning_rate": 0.3})
     ]  # fmt: skip
-    groups, alone = sweep_group.plan_groups(configs)
-    assert groups == [[0, 1]]
-    assert "model.sharing" in alone[2] and "seed" in alone[3]
+    groups, alone = sweep_group.plan_groups(configs, forced={5: "it resumes its own run"})
+    assert groups == [[0, 1, 3]]  # a seed and a masking rate: each run its own data
+    assert "model.sharing" in alone[2] and "batch_size" in alone[4]
+    assert alone[5] == "it resumes its own run"
     assert sweep_group.plan_groups(configs, enabled=False)[0] == []
 
 
