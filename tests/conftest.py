@@ -137,7 +137,8 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
 # order, two queued per worker, so a long file collected late (test_seeds, test_train) keeps
 # one worker busy while the other has run out of files.
 LONG_FILES = (
-    "test_seeds.py", "test_distributed.py", "test_train.py", "test_length_buckets.py",
+    "test_seeds.py", "test_distributed.py", "test_train.py", "test_sweep.py",
+    "test_length_buckets.py",
     "test_distributed_finetune.py", "test_gcs_journey.py", "test_finetune.py",
     "test_mixed_precision.py", "test_resume_safety.py", "test_notebook.py",
 )  # fmt: skip

@@ -236,7 +236,7 @@ def _sweep_cli(root, argv, timeout=600):
 
 GRID = """
 def sweep(add):
-    add(learning_rate=0.002)
+    add(learning_rate=0.002, num_train_steps=2, warmup_steps=1)  # done before the SIGTERM
     add(learning_rate=0.003)
     add(learning_rate=0.004, debug__nan_at_step=2)  # diverges at step 2
 """
@@ -247,13 +247,13 @@ def test_a_sigtermed_sweep_resumes_and_records_a_failed_point(corpus, tmp_path):
     base = flags_of(small_overrides(corpus))
     (tmp_path / "grid.py").write_text(GRID)
     grid = [*base, f"--sweep_fn={tmp_path / 'grid.py'}:sweep", "--sweep.group=none"]
-    # A finished point; then the grid, which a SIGTERM stops after step 3 of its second point.
-    first = _sweep_cli(root, [*base, "--sweep.learning_rate=0.002"])
-    assert first.returncode == 0, first.stderr[-3000:]
-    done, resumed = root / "learning_rate=0.002", root / "learning_rate=0.003"
-    finished = sweep_table.read_point(str(done))
+    # The grid, which a SIGTERM stops after step 3 of its second point (the first has 2 steps).
     stopped = _sweep_cli(root, [*grid, "--config.debug.sigterm_after_step=3"])
     assert stopped.returncode == 0, stopped.stderr[-3000:]
+    done = root / "learning_rate=0.002+num_train_steps=2+warmup_steps=1"
+    resumed = root / "learning_rate=0.003"
+    finished = sweep_table.read_point(str(done))
+    assert finished["status"] == "ok"
     assert sweep_table.read_point(str(resumed))["status"] == "preempted"
     assert not (root / "learning_rate=0.004+nan_at_step=2").exists()  # the sweep stopped
     # The same command again: the finished point is read, the stopped one resumes at step 3,
@@ -292,6 +292,7 @@ def test_a_point_whose_workdir_holds_another_config_is_refused_naming_both(corpu
     s = make(tmp_path / "root", [*base, "--sweep.learning_rate=0.002,0.003"])
     other = os.path.join(s.root, "learning_rate=0.003")
     os.makedirs(other)
+    files.write_json(os.path.join(s.root, sweep_table.SWEEP_JSON), {})  # a sweep's root
     stored = json.loads(s.configs[1].to_json_best_effort())
     stored["warmup_steps"] = 5
     files.write_json(os.path.join(other, "config.json"), stored)
