@@ -88,6 +88,26 @@ def absolute(path: PathLike) -> str:
     return path if not is_local(path) else os.path.abspath(os.path.expanduser(path))
 
 
+def run_directory(path: PathLike | None, flag: str = "--workdir") -> str:
+    """`absolute(path)` of a directory a run or a sweep writes into. An empty path (an unset
+    variable: `--workdir=$UNSET`) would be the working directory, and `gs://` without a bucket
+    no place at all: both are refused, naming `flag`.
+
+    Raises:
+      ValueError: an empty path or an object-store path without a bucket.
+    """
+    text = os.fspath(path or "").strip()
+    if not text:
+        raise ValueError(
+            f"{flag} is empty (an unset variable?): give the directory the run writes into; "
+            "nothing is written into the current directory"
+        )
+    scheme, sep, rest = text.partition("://")
+    if sep and not is_local(text) and not rest.split("/", 1)[0]:
+        raise ValueError(f"{flag}={text} names no bucket: write {scheme}://BUCKET/PATH")
+    return absolute(text)
+
+
 def as_path(path: PathLike) -> epath.Path:
     """`epath.Path` of `absolute(path)`."""
     return epath.Path(absolute(path))

@@ -318,7 +318,7 @@ def finetune_and_evaluate(
       workdir_lease.WorkdirInUseError: another run holds `workdir` (WORKDIR/run.lease).
     """
     spec = validate_config(config)
-    workdir = files.absolute(workdir)
+    workdir = files.run_directory(workdir)
     with workdir_lease.hold(workdir) as lease:  # one run per workdir, before it is written
         return _finetune(config, workdir, spec, lease, make_objective or FineTuning)
 

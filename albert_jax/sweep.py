@@ -300,9 +300,9 @@ def make_sweep(config: str, root: str, argv: Sequence[str], sweep_fn: str | None
     points = expand(lists, called)
     common = [a for a in argv if a.startswith(CONFIG_PREFIX)]
     configs = build_configs(base, points, common)
-    share_tokenizers(configs, files.absolute(root))
+    share_tokenizers(configs, files.run_directory(root, "--root"))
     _validate(points, configs)
-    return Sweep(files.absolute(root), points, configs, describe=config, group=group,
+    return Sweep(files.run_directory(root, "--root"), points, configs, describe=config, group=group,
                  base=base, common=tuple(common))  # fmt: skip
 
 

@@ -83,7 +83,7 @@ def train_and_evaluate(
       workdir_lease.WorkdirInUseError: another run holds `workdir` (WORKDIR/run.lease).
     """
     layout = validate_config(config)
-    workdir = files.absolute(workdir)
+    workdir = files.run_directory(workdir)
     with workdir_lease.hold(workdir) as lease:  # one run per workdir, before it is written
         return _train(config, workdir, layout, lease, make_objective or Pretraining)
 

@@ -137,3 +137,24 @@ def test_diverged_run_ends_in_one_line(corpus, tmp_path):
     proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert_one_line(proc, "non-finite loss, grad_norm")
     assert "at step 3 (loss=nan" in proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "workdir, message",
+    [("", "--workdir is empty (an unset variable?)"),
+     ("gs://", "--workdir=gs:// names no bucket: write gs://BUCKET/PATH"),
+     ("gs:///runs/a", "--workdir=gs:///runs/a names no bucket")],
+)  # fmt: skip
+def test_an_empty_or_bucketless_workdir_is_refused_and_nothing_is_written(tmp_path, workdir,
+                                                                          message):  # fmt: skip
+    """`--workdir=$UNSET` used to train into the current directory (the repository root)."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    args = ["-m", "albert_jax.main", f"--config={REPO}/configs/pretrain.py:size=tiny",
+            f"--workdir={workdir}"]  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    env.pop(cli.TRACEBACK_ENV, None)
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert_one_line(proc, message)
+    assert not list(cwd.iterdir())
