@@ -90,11 +90,11 @@ def absolute(path: PathLike) -> str:
 
 def run_directory(path: PathLike | None, flag: str = "--workdir") -> str:
     """`absolute(path)` of a directory a run or a sweep writes into. An empty path (an unset
-    variable: `--workdir=$UNSET`) would be the working directory, and `gs://` without a bucket
-    no place at all: both are refused, naming `flag`.
+    variable: `--workdir=$UNSET`) would be the working directory, `gs://` without a bucket no
+    place at all, and a local file no directory: each is refused, naming `flag`.
 
     Raises:
-      ValueError: an empty path or an object-store path without a bucket.
+      ValueError: an empty path, an object-store path without a bucket, a local file.
     """
     text = os.fspath(path or "").strip()
     if not text:
@@ -105,6 +105,8 @@ def run_directory(path: PathLike | None, flag: str = "--workdir") -> str:
     scheme, sep, rest = text.partition("://")
     if sep and not is_local(text) and not rest.split("/", 1)[0]:
         raise ValueError(f"{flag}={text} names no bucket: write {scheme}://BUCKET/PATH")
+    if is_local(text) and os.path.exists(text) and not os.path.isdir(text):
+        raise ValueError(f"{flag}={text} is a file, not a directory: give a directory")
     return absolute(text)
 
 

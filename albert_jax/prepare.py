@@ -64,6 +64,11 @@ def prepare_tokenizer(config: Any, workdir: str, extra_dirs: tuple[str | None, .
     given = config_field(config, "data.tokenizer")
     if given and not files.as_path(given).is_file():
         raise ValueError(f"config.data.tokenizer={given!r} does not exist")
+    if given:  # checked before it is copied: a wrong file must not become the run's tokenizer
+        try:
+            Tokenizer(given)
+        except ValueError as e:
+            raise ValueError(f"config.data.tokenizer: {e}") from None
     own = _find_tokenizer(workdir)
     if given and own and files.as_path(given).read_bytes() != files.as_path(own).read_bytes():
         # The run's checkpoints were trained with its own tokenizer (perhaps the only copy of

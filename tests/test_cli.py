@@ -143,13 +143,15 @@ def test_diverged_run_ends_in_one_line(corpus, tmp_path):
     "workdir, message",
     [("", "--workdir is empty (an unset variable?)"),
      ("gs://", "--workdir=gs:// names no bucket: write gs://BUCKET/PATH"),
-     ("gs:///runs/a", "--workdir=gs:///runs/a names no bucket")],
+     ("gs:///runs/a", "--workdir=gs:///runs/a names no bucket"),
+     ("notes.txt", "--workdir=notes.txt is a file, not a directory")],
 )  # fmt: skip
 def test_an_empty_or_bucketless_workdir_is_refused_and_nothing_is_written(tmp_path, workdir,
                                                                           message):  # fmt: skip
     """`--workdir=$UNSET` used to train into the current directory (the repository root)."""
     cwd = tmp_path / "cwd"
     cwd.mkdir()
+    (cwd / "notes.txt").write_text("mine")
     args = ["-m", "albert_jax.main", f"--config={REPO}/configs/pretrain.py:size=tiny",
             f"--workdir={workdir}"]  # fmt: skip
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
@@ -157,4 +159,14 @@ def test_an_empty_or_bucketless_workdir_is_refused_and_nothing_is_written(tmp_pa
     proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert_one_line(proc, message)
-    assert not list(cwd.iterdir())
+    assert [p.name for p in cwd.iterdir()] == ["notes.txt"]
+
+
+def test_a_file_that_is_no_tokenizer_is_refused_naming_it_and_not_copied(tmp_path):
+    """`--config.data.tokenizer=data.csv` used to be copied to WORKDIR/tokenizer.model first,
+    and every later run with the right tokenizer was refused until it was deleted by hand."""
+    wrong = tmp_path / "data.csv"
+    wrong.write_text("id,text\n1,hello\n")
+    proc = run(*main_args(tmp_path, f"--config.data.tokenizer={wrong}"))
+    assert_one_line(proc, f"config.data.tokenizer: Tokenizer: '{wrong}' is not a sentencepiece")
+    assert not (tmp_path / "run" / "tokenizer.model").exists()
