@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -438,3 +439,13 @@ def test_tokenized_cache_follows_a_rebuild(tokenizer, tmp_path):
     assert tokenized()["documents"] == num_documents("documents/t", "train", data_dir) == 59
     assert tokenized()["documents"] == 59  # and read back, not rebuilt, from then on
     assert len(os.listdir(tmp_path / "cache")) == 1  # the one entry, replaced
+
+
+def test_a_path_where_a_source_name_goes_is_named_as_one(shared_data):
+    """`--config.data.sources=/data/*.jsonl` used to fail with TFDS's grammar of dataset names."""
+    austen = os.path.join(shared_data, "corpora", "austen.jsonl.gz")
+    for spec, what in ((austen, "is a path, not"), ("/nonexistent/*.jsonl", "no such file")):
+        with pytest.raises(ValueError, match=re.escape(what)) as error:
+            sources.parse_sources(spec)
+        assert f"documents={spec}" in str(error.value) and f"raw_text={spec}" in str(error.value)
+    assert sources.parse_sources(f"documents={austen}")[0].name == "documents"

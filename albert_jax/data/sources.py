@@ -193,6 +193,7 @@ def _parse_item(item: str) -> list[Source]:
         if files and local.config_cls is None:
             raise ValueError(f"sources: {name!r} takes no files")
     else:
+        _refuse_a_path(name)
         _check_catalog_name(name)
         if files:
             raise ValueError(
@@ -200,6 +201,30 @@ def _parse_item(item: str) -> list[Source]:
                 f"one of {sorted(n for n in _LOCAL if n != 'demo')}"
             )
     return [Source(name, weight, files)]
+
+
+_FILE_SUFFIXES = (".jsonl", ".json", ".gz", ".txt", ".bz2", ".xml", ".text")
+
+
+def _refuse_a_path(name: str) -> None:
+    """A file path given where a source name goes (`sources=/data/*.jsonl`) is named as such,
+    with the local kinds that read files, instead of TFDS's grammar of dataset names."""
+    looks_like_path = (
+        name.startswith(("/", ".", "~")) or "*" in name or "://" in name
+        or name.lower().endswith(_FILE_SUFFIXES)
+    )  # fmt: skip
+    if not looks_like_path:
+        return
+    try:
+        found = bool(files.expand(name))
+    except (ValueError, OSError):  # no match, or no such file
+        found = False
+    what = "a path" if found else "a path, and no such file exists"
+    raise ValueError(
+        f"sources: {name!r} is {what}, not a source name; name the kind of its files: "
+        f"documents={name} (JSON Lines with a 'text' field) or raw_text={name} (plain text), "
+        f"or another local kind of {sorted(n for n in _LOCAL if n != 'demo')}"
+    )
 
 
 def parse_sources(spec: str) -> list[Source]:
