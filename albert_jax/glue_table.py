@@ -236,7 +236,7 @@ def run_table(init: str, tasks: Sequence[str], workdir: str, overrides: Sequence
     configs = [task_config(t, init, overrides, num_seeds=num_seeds, local_data=local_data)
                for t in tasks]  # fmt: skip
     points = [Point(t, (("task", t), ("init", init))) for t in tasks]
-    run = sweep.Sweep(files.absolute(workdir), points, configs,
+    run = sweep.Sweep(files.run_directory(workdir), points, configs,
                       describe=f"configs/finetune.py:init={init}", group="none")  # fmt: skip
     reused = {p.name for p in points
               if (sweep_table.read_point(run.workdir(p)) or {}).get("status") == "ok"}  # fmt: skip

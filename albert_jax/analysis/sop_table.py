@@ -215,7 +215,7 @@ def run_sweep(config: Any, workdir: str) -> list[str]:
     for objective in OBJECTIVE_ROWS:
         configs.append(copy.deepcopy(config))
         configs[-1].objective = objective
-    root = files.absolute(workdir)
+    root = files.run_directory(workdir)
     sweep.share_tokenizers(configs, root)
     run = sweep.Sweep(root, points, configs, describe="Table 5: objective none / nsp / sop",
                       group="none")  # fmt: skip
