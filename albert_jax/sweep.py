@@ -412,7 +412,8 @@ def main(argv: list[str]) -> None:
     FLAGS = flags.FLAGS
     if FLAGS.root is None and not FLAGS.largest:
         raise app.UsageError("--root is required")
-    sweep = make_sweep(FLAGS.config, FLAGS.root or ".", _grid_args, FLAGS.sweep_fn)
+    root = (FLAGS.root or ".") if FLAGS.largest else FLAGS.root  # "" is refused, not "."
+    sweep = make_sweep(FLAGS.config, root, _grid_args, FLAGS.sweep_fn)
     if FLAGS.largest:  # `launch/tpu_pod.sh plan` plans it
         print("\n".join(largest_point_flags(sweep)), flush=True)
         return

@@ -129,6 +129,13 @@ def test_a_root_that_is_not_a_sweep_is_refused_in_one_line(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: --root=") and "is not a sweep's directory" in last
     assert sorted(os.listdir(root)) == ["notes.txt"]
+    # An empty --root (an unset variable) is not the current directory.
+    argv = [sys.executable, "-m", "albert_jax.sweep", f"--config={REPO}/{TINY}", "--root=",
+            "--sweep.seed=1,2"]  # fmt: skip
+    proc = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: --root is empty")
+    assert sorted(os.listdir(root)) == ["notes.txt"]
 
 
 # --------------------------------------------------------------------- one program, grouped
