@@ -38,6 +38,9 @@ setup(
         "ml-collections>=1.1.0",
         "absl-py>=2.1.0",
         "numpy>=1.26",
+        # Reading (and writing) HF `model.safetensors` without torch: the format's own parser,
+        # which refuses overlapping or out-of-range tensor offsets.
+        "safetensors>=0.4.3",
         "tensorboard>=2.18",
         "matplotlib>=3.9",  # learning-curve plot written at the end of a run
         "etils[epath]>=1.7",  # workdir I/O on local disks and gs:// alike
@@ -64,7 +67,7 @@ setup(
         ],
         # HF interop: PyTorch CPU build (install torch==2.13.0 first to avoid CUDA wheels).
         # transformers 4.x: v5 dropped load_tf_weights_in_albert and Flax ALBERT (our peers).
-        "hf": ["torch>=2.4", "transformers>=4.46,<5", "safetensors>=0.4"],
+        "hf": ["torch>=2.4", "transformers>=4.46,<5"],
         # benchmarks/train_step.py's KerasHub peer (Keras 3 on JAX). Not in CI's install: its
         # tensorflow-text requirement pulls the full `tensorflow` wheel on top of tensorflow-cpu.
         # The peer only needs `pip install --no-deps keras-hub kagglehub kagglesdk`.

@@ -307,9 +307,51 @@ def test_safetensors_header_with_bad_dims_is_named(shape):
 
     header = json.dumps({"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 32]}})
     data = struct.pack("<Q", len(header)) + header.encode() + bytes(32)
-    expected = r"x/model.safetensors: not a readable safetensors file: tensor w has shape "
-    with pytest.raises(ValueError, match=expected + r".*non-negative integers"):
+    expected = r"x/model.safetensors: not a readable safetensors file: "
+    with pytest.raises(ValueError, match=expected):
         read_safetensors(data, "x/model.safetensors")
+
+
+def _with_offsets(data: bytes, change) -> bytes:
+    """`data` (a safetensors file) with its header rewritten by `change(header)`."""
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + size])
+    change(header)
+    encoded = json.dumps(header).encode()
+    return struct.pack("<Q", len(encoded)) + encoded + data[8 + size :]
+
+
+def test_safetensors_with_overlapping_or_shifted_offsets_are_refused(tmp_path):
+    """A header whose tensor ranges overlap (a LayerNorm scale given its bias's bytes) or are
+    shifted into a neighbour has the right sizes, so a parser that only checks sizes loaded
+    the wrong weights without a word. The safetensors library refuses both; the error names
+    the file."""
+    from test_convert import random_hf_model
+
+    from albert_jax.interop.hf_checkpoint import load_hf_checkpoint
+
+    hf = random_hf_model(TINY_HF, seed=1)
+    hf.save_pretrained(tmp_path / "ok")
+    intact = (tmp_path / "ok" / "model.safetensors").read_bytes()
+    scale, bias = "albert.embeddings.LayerNorm.weight", "albert.embeddings.LayerNorm.bias"
+
+    def overlap(header):
+        header[scale]["data_offsets"] = header[bias]["data_offsets"]
+
+    def shift(header):
+        begin, end = header[scale]["data_offsets"]
+        header[scale]["data_offsets"] = [begin + 4, end + 4]
+
+    for name, change in [("overlap", overlap), ("shift", shift)]:
+        bad = tmp_path / name
+        bad.mkdir()
+        (bad / "config.json").write_bytes((tmp_path / "ok" / "config.json").read_bytes())
+        (bad / "model.safetensors").write_bytes(_with_offsets(intact, change))
+        expected = re.escape(f"{bad / 'model.safetensors'}: not a readable safetensors file: ")
+        with pytest.raises(ValueError, match=expected + ".*offset"):
+            load_hf_checkpoint(str(bad))
+        with pytest.raises(ValueError, match=expected):
+            load_pretrained(str(bad))
 
 
 def test_broken_tf1_checkpoints_are_named(tmp_path):

@@ -8,8 +8,8 @@ readers and writers take local or `gs://` paths, all through `albert_jax.files` 
           | pytorch_model.bin | pytorch_model.bin.index.json + shards
     HF_DIR/spiece.model                                sentencepiece model (optional)
 
-Weights are read as bytes (no local file needed): safetensors by its header here (numpy,
-bfloat16 via ml_dtypes, no torch), `.bin` files by `torch.load(weights_only=True)`.
+Weights are read as bytes (no local file needed): safetensors by the `safetensors` library
+(numpy, bfloat16 via ml_dtypes, no torch), `.bin` files by `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import math
 import re
 import struct
 from collections.abc import Mapping
@@ -164,45 +163,49 @@ def to_hf_config(config: ModelConfig) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------- files
-# safetensors dtype names -> numpy. `safetensors.numpy` has no bfloat16 (numpy lacks it), so
-# the format (8-byte little-endian header size, JSON header, raw data) is read here.
+# safetensors dtype names -> numpy (bfloat16 through ml_dtypes, which numpy lacks).
 _SAFETENSORS_DTYPES = {
     "F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
     "I8": "i1", "U8": "u1", "BOOL": "?",
 }  # fmt: skip
 
 
-def read_safetensors(data: bytes, source: str = "safetensors") -> dict[str, np.ndarray]:
-    """All tensors of a `.safetensors` file's bytes as numpy arrays (read-only views of `data`;
-    bfloat16 as `ml_dtypes.bfloat16`). `source` names the file in errors: a truncated or
-    malformed file raises one ValueError (`weight_names.unreadable`)."""
-    what = "safetensors file"
+def _truncation(data: bytes) -> str | None:
+    """Why `data` is a cut-off safetensors file, or None. The library calls a cut-off file
+    "invalid header length" or "file not fully covered"; a user needs to hear "truncated"."""
     if len(data) < 8:
-        raise unreadable(source, what, f"{len(data)} bytes, less than its 8-byte header size")
+        return f"truncated: {len(data)} bytes, less than its 8-byte header size"
     (header_len,) = struct.unpack("<Q", data[:8])
     if 8 + header_len > len(data):
-        raise unreadable(
-            source, what, f"truncated: its header needs {header_len} bytes, {len(data) - 8} follow"
-        )
+        return f"truncated: its header needs {header_len} bytes, {len(data) - 8} follow"
     try:
         header = json.loads(data[8 : 8 + header_len])
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError: a corrupt header
-        raise unreadable(source, what, e) from e
-    if not isinstance(header, dict):
-        raise unreadable(source, what, f"its header is a JSON {type(header).__name__}")
-    header.pop("__metadata__", None)
+        ends = [(int(v["data_offsets"][1]), k) for k, v in header.items() if k != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None  # malformed rather than cut off: the library's reason says how
     available = len(data) - 8 - header_len
+    end, name = max(ends, default=(0, ""))
+    if end > available:
+        return f"truncated: tensor {name} ends at data byte {end}, the file holds {available}"
+    return None
+
+
+def read_safetensors(data: bytes, source: str = "safetensors") -> dict[str, np.ndarray]:
+    """All tensors of a `.safetensors` file's bytes as numpy arrays (bfloat16 as
+    `ml_dtypes.bfloat16`). The `safetensors` library parses and validates the file (offsets
+    that overlap, leave gaps or run past the end are refused); `source` names the file in
+    errors: a truncated or malformed file raises one ValueError (`weight_names.unreadable`)."""
+    import safetensors
+
+    what = "safetensors file"
+    try:
+        tensors = safetensors.deserialize(data)
+    except safetensors.SafetensorError as e:
+        reason = _truncation(data) or str(e).removeprefix("Error while deserializing: ")
+        raise unreadable(source, what, reason) from e
     out: dict[str, np.ndarray] = {}
-    for name, info in header.items():
-        try:
-            dtype_name, shape = info["dtype"], tuple(info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise unreadable(source, what, f"malformed header entry {name}: {info!r}") from e
-        # numpy's own error for these names neither the file nor the tensor.
-        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise unreadable(source, what, f"tensor {name} has shape {list(shape)}: dimensions "
-                             "must be non-negative integers")  # fmt: skip
+    for name, info in tensors:
+        dtype_name = info["dtype"]
         if dtype_name == "BF16":
             import ml_dtypes
 
@@ -214,20 +217,7 @@ def read_safetensors(data: bytes, source: str = "safetensors") -> dict[str, np.n
                 f"{source}: tensor {name} has dtype {dtype_name}, which numpy cannot hold; "
                 "convert the checkpoint to float32 or bfloat16"
             )
-        # A cut-off file keeps its header: the tensors past the end are what is missing.
-        if end > available:
-            raise unreadable(
-                source,
-                what,
-                f"truncated: tensor {name} ends at data byte {end}, the file holds {available}",
-            )
-        if not 0 <= begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
-            misfit = f"tensor {name}: data_offsets {[begin, end]} do not fit {list(shape)}"
-            raise unreadable(source, what, f"{misfit} of {dtype_name}")
-        array = np.frombuffer(
-            data, dtype, count=(end - begin) // dtype.itemsize, offset=8 + header_len + begin
-        )
-        out[name] = array.reshape(shape)
+        out[name] = np.frombuffer(info["data"], dtype).reshape(info["shape"])
     return out
 
 
