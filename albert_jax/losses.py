@@ -132,6 +132,7 @@ def pretraining_loss(
     batch: Mapping[str, Array],
     *,
     sentence_order: bool = True,
+    masked_lm: bool = True,
 ) -> tuple[Array, dict[str, Array]]:
     """Total pretraining loss = MLM + SOP (equal weights, as in the official code).
 
@@ -140,39 +141,41 @@ def pretraining_loss(
         `sop_logits` [B, 2].
       batch: with `masked_lm_ids` [B, P], `masked_lm_weights` [B, P] and, when `sentence_order`,
         `sentence_order_label` [B].
-      sentence_order: False for the MLM-only objective ("none"): no SOP term, and `sop_loss` /
-        `sop_accuracy` are reported as 0 so every log line has the same keys.
+      sentence_order: False for the MLM-only objective ("none"): no SOP term and no `sop_*`
+        metrics.
+      masked_lm: False when nothing is masked (`masked_lm_prob=0`): no MLM term and no `mlm_*`
+        metrics. A metric with no denominator is left out, never reported as a measured 0.
     Returns:
-      (loss, metrics) with metrics keys `loss, mlm_loss, sop_loss, mlm_accuracy, sop_accuracy`
-      (float32 scalars).
+      (loss, metrics) with metrics keys `loss` and, per term present, `mlm_loss,
+      mlm_accuracy` / `sop_loss, sop_accuracy` (float32 scalars).
     """
-    for key in ("mlm_logits",) + (("sop_logits",) if sentence_order else ()):
+    needed_outputs = (("mlm_logits",) if masked_lm else ()) + (
+        ("sop_logits",) if sentence_order else ()
+    )
+    for key in needed_outputs:
         if key not in outputs:
             raise ValueError(f"outputs is missing {key!r}")
-    required = ("masked_lm_ids", "masked_lm_weights")
-    for key in required + (("sentence_order_label",) if sentence_order else ()):
+    needed = (("masked_lm_ids", "masked_lm_weights") if masked_lm else ()) + (
+        ("sentence_order_label",) if sentence_order else ()
+    )
+    for key in needed:
         if key not in batch:
             raise ValueError(f"batch is missing {key!r}")
 
-    mlm_logits = outputs["mlm_logits"]
-    ids, weights = batch["masked_lm_ids"], batch["masked_lm_weights"]
-    mlm_loss = masked_lm_loss(mlm_logits, ids, weights)
-    mlm_accuracy = masked_lm_accuracy(mlm_logits, ids, weights)
+    loss = jnp.zeros((), jnp.float32)
+    metrics: dict[str, Array] = {}
+    if masked_lm:
+        logits, ids = outputs["mlm_logits"], batch["masked_lm_ids"]
+        weights = batch["masked_lm_weights"]
+        metrics["mlm_loss"] = masked_lm_loss(logits, ids, weights)
+        metrics["mlm_accuracy"] = masked_lm_accuracy(logits, ids, weights)
+        loss = loss + metrics["mlm_loss"]
     if sentence_order:
         labels = batch["sentence_order_label"]
-        sop_loss = sentence_order_loss(outputs["sop_logits"], labels)
-        sop_accuracy = sentence_order_accuracy(outputs["sop_logits"], labels)
-    else:
-        sop_loss = sop_accuracy = jnp.zeros((), jnp.float32)
-    loss = mlm_loss + sop_loss
-    metrics = {
-        "loss": loss,
-        "mlm_loss": mlm_loss,
-        "sop_loss": sop_loss,
-        "mlm_accuracy": mlm_accuracy,
-        "sop_accuracy": sop_accuracy,
-    }
-    return loss, metrics
+        metrics["sop_loss"] = sentence_order_loss(outputs["sop_logits"], labels)
+        metrics["sop_accuracy"] = sentence_order_accuracy(outputs["sop_logits"], labels)
+        loss = loss + metrics["sop_loss"]
+    return loss, {"loss": loss, **metrics}
 
 
 # ---------------------------------------------------------------------------------- fine-tuning

@@ -233,11 +233,17 @@ def progress_line(step: int, total: int, metrics: Mapping[str, Any], eta_seconds
         parts.append(f"MFU {100 * mfu:.1f}%")
     if eta_seconds is not None:
         parts.append(f"ETA {format_duration(eta_seconds)}")
-    if (eval_loss := number("eval_loss", "{:.3f}")) is not None:
-        parts.append(
-            f"eval loss {eval_loss} mlm_acc {metrics.get('eval_mlm_accuracy', 0):.3f} "
-            f"sop_acc {metrics.get('eval_sop_accuracy', 0):.3f}"
-        )
+    evals = [
+        f"{label} {text}"
+        for label, key in (
+            ("loss", "eval_loss"),
+            ("mlm_acc", "eval_mlm_accuracy"),
+            ("sop_acc", "eval_sop_accuracy"),
+        )  # fmt: skip
+        if (text := number(key, "{:.3f}")) is not None
+    ]
+    if evals:  # a metric the run cannot measure is left out, not shown as 0
+        parts.append("eval " + " ".join(evals))
     return " | ".join(parts)
 
 

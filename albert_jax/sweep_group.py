@@ -64,12 +64,14 @@ def _varying(config: Any) -> tuple[str, ...]:
 
 def shape_key(config: Any) -> tuple[Any, ...]:
     """What must be equal for two points to share a program: every field but the per-run
-    ones, and whether gradients are clipped at all (a threshold of 0 turns clipping off)."""
+    ones, whether gradients are clipped at all (a threshold of 0 turns clipping off) and
+    whether any token is masked (`masked_lm_prob=0` has no MLM term and no `mlm_*` metrics)."""
     fields = flat_fields(config)
     clip = float(fields.get("grad_clip_norm", 0.0)) > 0
+    masked = float(fields.get("data.masked_lm_prob", 0.15)) > 0
     varying = _varying(config)
     kept = sorted((k, json.dumps(v)) for k, v in fields.items() if k not in varying)
-    return (clip, *kept)
+    return (clip, masked, *kept)
 
 
 def plan_groups(

@@ -150,6 +150,7 @@ class PretrainingModel:
         self.config, self.model = config, model
         self.init_rows = mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1
         self.sentence_order = config.objective != "none"
+        self.masked_lm = float(config.data.masked_lm_prob) > 0  # else no MLM term, no mlm_*
         self.microbatches = int(config.microbatches)
         self._eval_sums = make_eval_step(config, model)
         if mesh is not None:  # across slices: once per data replica (one gradient reduction)
@@ -168,7 +169,9 @@ class PretrainingModel:
 
     def loss(self, params: PyTree, batch: Mapping[str, jax.Array], rng: jax.Array):
         outputs = self._forward(params, batch, rng)
-        return losses.pretraining_loss(outputs, batch, sentence_order=self.sentence_order)
+        return losses.pretraining_loss(
+            outputs, batch, sentence_order=self.sentence_order, masked_lm=self.masked_lm
+        )
 
     def _forward(self, params: PyTree, batch: Mapping[str, jax.Array], rng: jax.Array):
         """{"mlm_logits": [B, P, V], "sop_logits": [B, 2]} of a training batch."""

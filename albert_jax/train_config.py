@@ -118,7 +118,7 @@ def validate_config(
                 "and there is no sentence-order task, so nothing would be trained"
             )
         logging.warning(
-            "config.data.masked_lm_prob=0: no token is masked, the MLM loss is 0 and only the "
-            "sentence-order task trains"
+            "config.data.masked_lm_prob=0: no token is masked, so there is no MLM term (and no "
+            "mlm_* metrics); only the sentence-order task trains"
         )
     return RunLayout(model_config, mesh_shape, devices, data)

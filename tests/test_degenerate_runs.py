@@ -51,3 +51,23 @@ def test_masked_lm_prob_zero_warns_and_fails_without_another_task(corpus, caplog
     config.objective = "none"
     with pytest.raises(ValueError, match="nothing would be trained"):
         validate_config(config)
+
+
+def test_masked_lm_prob_zero_reports_no_mlm_metric(corpus, tmp_path):
+    """With nothing masked there is no MLM prediction to measure: no `mlm_*` metric in
+    metrics.jsonl (they were logged as a measured 0.0), none in the eval, and none on the
+    console; the SOP metrics and the loss (SOP alone) are there."""
+    overrides = small_overrides(
+        corpus, num_train_steps=2, eval_every_steps=2, eval_batches=1, log_every_steps=1,
+        checkpoint_every_steps=100, **{"data.masked_lm_prob": 0.0},
+    )  # fmt: skip
+    workdir = str(tmp_path / "run")
+    result = train.train_and_evaluate(make_config(overrides), workdir)
+    records = metrics_writer.read_metrics(workdir)
+    keys = {k for r in records for k in r} | set(result)
+    assert not [k for k in keys if "mlm" in k], sorted(keys)
+    train_rows = [r for r in records if "loss" in r]
+    assert train_rows and all(r["loss"] == r["sop_loss"] for r in train_rows)
+    assert "eval_sop_accuracy" in result
+    line = metrics_writer.progress_line(2, 2, {**train_rows[-1], **result}, None)
+    assert "mlm_acc" not in line and "sop_acc" in line, line

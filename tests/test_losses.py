@@ -117,7 +117,16 @@ def test_pretraining_loss_without_sentence_order():
     del outputs["sop_logits"], batch["sentence_order_label"]
     loss, metrics = losses.pretraining_loss(outputs, batch, sentence_order=False)
     np.testing.assert_allclose(loss, metrics["mlm_loss"])
-    assert float(metrics["sop_loss"]) == 0.0 and float(metrics["sop_accuracy"]) == 0.0
+    assert set(metrics) == {"loss", "mlm_loss", "mlm_accuracy"}  # no SOP: absent, not 0
+
+
+def test_pretraining_loss_without_masked_tokens_has_no_mlm_metrics():
+    """masked_lm_prob=0: an MLM loss and accuracy of 0 predictions are not measurements (they
+    used to be reported as 0.0); the loss is the SOP term alone."""
+    outputs, batch = pretraining_inputs()
+    loss, metrics = losses.pretraining_loss(outputs, batch, masked_lm=False)
+    assert set(metrics) == {"loss", "sop_loss", "sop_accuracy"}
+    np.testing.assert_allclose(loss, metrics["sop_loss"])
 
 
 @pytest.mark.parametrize("missing", ["masked_lm_weights", "sentence_order_label"])
