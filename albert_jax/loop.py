@@ -244,6 +244,7 @@ class Loop:
         """Refuses a checkpoint of another model (before its arrays are read: they would not
         fit) and one whose data state the objective cannot continue."""
         self._check_same_task(path, step, meta)
+        self._check_same_tokenizer(path, step, meta)
         saved = meta.get("model_config") if isinstance(meta, Mapping) else None
         differ = self.objective.model_config.architecture_differences(saved or {})
         if isinstance(saved, Mapping) and differ:
@@ -253,6 +254,23 @@ class Loop:
                 "config.model.*, size) or use a new --workdir"
             )
         self.objective.check_resume(data, step)
+
+    def _check_same_tokenizer(self, path: str, step: int, meta: Any) -> None:
+        """Refuses checkpoints trained on another vocabulary. The workdir's tokenizer.model
+        guards this while it exists; once it is gone, any sentencepiece model of the same size
+        would train on (its ids mean other pieces), so the fingerprint saved with every
+        checkpoint is what decides."""
+        saved = meta.get("tokenizer_fingerprint") if isinstance(meta, Mapping) else None
+        ours = self.objective.meta().get("tokenizer_fingerprint")
+        if saved is None or ours is None or saved == ours:
+            return
+        given = config_field(self.config, "data.tokenizer", "") or "found for this run"
+        raise ValueError(
+            f"cannot resume {path} at step {step}: its checkpoints were trained with another "
+            f"tokenizer than this run's ({given}; fingerprints {saved} and {ours}); put the "
+            "run's own sentencepiece model back as WORKDIR/tokenizer.model or pass it as "
+            "config.data.tokenizer, or start a new --workdir"
+        )
 
     def _check_same_task(self, path: str, step: int, meta: Any) -> None:
         """Refuses checkpoints of another kind of run (pretraining / a fine-tuning task),
@@ -316,6 +334,8 @@ class Loop:
           TrainingDivergedError: a non-finite loss, gradient norm or parameter norm.
         """
         total, start = self.total, self.start_step
+        if self.lease is not None:  # from here on, a failure keeps what the run wrote
+            self.lease.started = True
         if start >= total:
             logging.info("nothing to train: step %d >= %d steps", start, total)
             if self.objective.final_eval:

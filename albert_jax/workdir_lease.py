@@ -88,20 +88,27 @@ class _LocalLease:
         self.path = os.path.join(workdir, LEASE_FILE)
         self.processes = processes
         self._fd: int | None = None
+        self.started = False  # set once the run trains: then nothing it wrote is removed
 
     def acquire(self) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _parse(os.pread(fd, 1 << 16, 0))
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _parse(os.pread(fd, 1 << 16, 0))
+                os.close(fd)
+                raise WorkdirInUseError(
+                    f"workdir {os.path.dirname(self.path)} is in use by {describe(holder)}: "
+                    "one run per workdir. Use another --workdir, or stop that run first (its "
+                    f"lock on {self.path} goes with its process)"
+                ) from None
+            # A refused run removes the file it created while still holding the lock
+            # (`release(remove=True)`): a lock won on that unlinked file guards nothing.
+            if _same_file(fd, self.path):
+                break
             os.close(fd)
-            raise WorkdirInUseError(
-                f"workdir {os.path.dirname(self.path)} is in use by {describe(holder)}: one "
-                "run per workdir. Use another --workdir, or stop that run first (its lock "
-                f"on {self.path} goes with its process)"
-            ) from None
         record = _holder_record(uuid.uuid4().hex, _now_iso(), self.processes)
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(record) + "\n").encode("utf-8"), 0)
@@ -110,6 +117,13 @@ class _LocalLease:
     def check(self) -> None:
         """A lock held by our descriptor cannot be taken from us."""
 
+    def remove(self) -> None:
+        """Deletes the lease file, still locked (the next run creates its own), and releases."""
+        if self._fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        self.release()
+
     def release(self) -> None:
         if self._fd is not None:
             # The file stays (removing it would race with a run opening it to lock); the next
@@ -117,6 +131,16 @@ class _LocalLease:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """Whether the open descriptor `fd` is still the file at `path`."""
+    try:
+        on_disk = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (on_disk.st_dev, on_disk.st_ino)
 
 
 class _ObjectLease:
@@ -145,6 +169,7 @@ class _ObjectLease:
         self._record: dict[str, Any] = {}
         self._generation: int | None = None
         self._lost: str | None = None
+        self.started = False  # set once the run trains: then nothing it wrote is removed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -268,6 +293,9 @@ class _ObjectLease:
                 self._blob.delete(if_generation_match=self._generation)
             self._generation = None
 
+    def remove(self) -> None:
+        self.release()  # releasing deletes the object
+
 
 Lease = _LocalLease | _ObjectLease
 
@@ -296,8 +324,10 @@ def hold(workdir: str) -> Iterator[Lease | None]:
     from jax.experimental import multihost_utils
 
     processes, leader = jax.process_count(), jax.process_index() == 0
-    lease, error = None, None
+    lease, error, found = None, None, None
     if leader:
+        # What a failure before the first step must leave (None: no workdir at all).
+        found = _contents(workdir) if files.as_path(workdir).exists() else None
         try:
             lease = acquire(workdir, processes)
         except (WorkdirInUseError, FileNotFoundError) as e:
@@ -314,6 +344,41 @@ def hold(workdir: str) -> Iterator[Lease | None]:
         raise error
     try:
         yield lease
+    except BaseException:
+        if lease is not None and not lease.started:
+            _leave_as_found(workdir, found, lease)
+        raise
     finally:
         if lease is not None:
             lease.release()
+
+
+def _contents(workdir: str) -> set[str]:
+    """The names `workdir` holds (one listing: a run's start must not walk its checkpoints)."""
+    return {path.name for path in files.as_path(workdir).iterdir()}
+
+
+def _leave_as_found(workdir: str, found: set[str] | None, lease: Lease) -> None:
+    """After a run that failed before its first step (a refusal, a bad init, a compile
+    error): deletes what it created in `workdir` (`found`: the names there before; None: the
+    workdir itself is new), so that the next run meets the workdir it would have met. Nothing
+    of a run that trained is touched; what cannot be deleted is logged, never raised over the
+    error that ended the run."""
+    root = files.as_path(workdir)
+    try:
+        created = _contents(workdir) - (found or set()) - {LEASE_FILE}
+        for name in sorted(created):
+            path = root / name
+            if path.is_dir():
+                path.rmtree()
+            else:
+                path.unlink(missing_ok=True)
+        if found is None or LEASE_FILE not in found:
+            lease.remove()
+        if found is None and files.is_local(workdir) and not any(root.iterdir()):
+            root.rmdir()
+        if created:
+            logging.info("%s: removed what the failed run created: %s", workdir,
+                         ", ".join(sorted(created)))  # fmt: skip
+    except Exception as e:  # noqa: BLE001 (the run's own error is the one to raise)
+        logging.warning("%s: could not remove what the failed run created: %s", workdir, e)

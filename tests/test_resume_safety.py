@@ -16,6 +16,7 @@ import collections
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 
@@ -99,6 +100,39 @@ def test_resume_with_another_model_names_the_fields_and_keeps_config_json(
     assert "hidden_size: checkpoint 32, config 64" in message
     assert "intermediate_size" not in message  # only what differs
     assert pathlib.Path(workdir, "config.json").read_text() == recorded
+
+
+def test_resume_with_another_tokenizer_once_the_workdirs_copy_is_gone_is_refused(
+    corpus, shared_data, trained, tmp_path
+):
+    """#66 case 2: with WORKDIR/tokenizer.model deleted, a resume given another tokenizer of
+    the same size trained on (its ids mean other pieces). The fingerprint saved with the
+    checkpoints decides; the refused run leaves no tokenizer.model behind, so the run's own,
+    put back or given, resumes."""
+    import gzip
+
+    from albert_jax.data import sentences
+    from albert_jax.data.tokenizer import train_tokenizer
+
+    texts = []
+    with gzip.open(os.path.join(shared_data, "corpora", "brown.jsonl.gz"), "rt") as f:
+        for line in f:
+            texts.extend(sentences.split_sentences(json.loads(line)["text"]))
+            if len(texts) > 6000:
+                break
+    other = train_tokenizer(texts, str(tmp_path / "brown"), vocab_size=1000, max_sentences=6000)
+    workdir = _copy(trained, tmp_path)
+    os.remove(os.path.join(workdir, checkpointing.TOKENIZER_FILE))
+    overrides = small_overrides(corpus, num_train_steps=12)
+    with pytest.raises(ValueError, match=re.escape(
+            f"cannot resume {workdir} at step 8: its checkpoints were trained with another "
+            "tokenizer")):  # fmt: skip
+        train.train_and_evaluate(make_config({**overrides, "data.tokenizer": other}), workdir)
+    assert not os.path.exists(os.path.join(workdir, checkpointing.TOKENIZER_FILE))
+    result = train.train_and_evaluate(
+        make_config({**overrides, "data.tokenizer": corpus["tokenizer"]}), workdir
+    )
+    assert result["step"] == 12
 
 
 # Files up to this size can still be written once the "disk" refuses larger ones: config.json,

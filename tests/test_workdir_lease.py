@@ -177,3 +177,46 @@ def test_a_missing_bucket_is_an_error_at_start_naming_it(gcs, corpus):
     assert proc.returncode != 0
     assert "bucket gs://no-such-bucket-albert does not exist" in proc.stderr, proc.stderr[-3000:]
     assert not os.path.exists("gs:")
+
+
+@pytest.mark.parametrize("where", ["local", "gs"])
+def test_a_refused_run_leaves_the_workdir_as_found(where, corpus, tmp_path, request):
+    """#66 case 6: a run refused before its first step (here a vocab_size its tokenizer does
+    not have, refused after the compilation cache, the lease and the tokenizer were set up)
+    used to leave run.lease, compilation_cache/ and tokenizer.model behind. A new workdir is
+    gone again; one that held files holds just those."""
+    workdir, env = local_or_gcs_workdir(where, request, tmp_path, "lease/refused")
+    gcs = request.getfixturevalue("gcs") if where == "gs" else None
+
+    def contents() -> set[str]:
+        if gcs is not None:
+            prefix = workdir.split("/", 3)[3] + "/"
+            return {name[len(prefix) :] for name in gcs.list(prefix)}
+        if not os.path.isdir(workdir):
+            return set()
+        return {
+            os.path.relpath(os.path.join(d, n), workdir)
+            for d, subdirs, names in os.walk(workdir) for n in (*subdirs, *names)
+        }  # fmt: skip
+
+    def refused_run() -> None:
+        overrides = small_overrides(corpus, **{"model.vocab_size": 1200})
+        args, run_env = tiny_command(workdir, overrides, 1, **env)
+        proc = subprocess.run(args, cwd=REPO, env=run_env, capture_output=True, text=True)
+        assert proc.returncode != 0
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: config.model.vocab_size=1200 but the tokenizer"), last
+
+    refused_run()
+    assert contents() == set()
+    if where == "local":
+        assert not os.path.exists(workdir)
+    notes = files.as_path(workdir) / "notes.txt"
+    if where == "local":
+        notes.parent.mkdir(parents=True)
+    notes.write_text("kept")
+    refused_run()
+    assert contents() == {"notes.txt"}
+    assert notes.read_text() == "kept"
+    # A lease taken after the removal is a real lock again.
+    workdir_lease.acquire(workdir).release()
