@@ -31,6 +31,8 @@ from typing import Any, NoReturn
 
 from absl import app, flags, logging
 
+from albert_jax import console
+
 TRACEBACK_ENV = "ALBERT_TRACEBACK"
 
 # The package's own errors for a run that cannot go on, looked up among the modules already
@@ -171,6 +173,7 @@ def run(
 
         return call
 
+    console.quiet()
     app.run(guarded(main), flags_parser=guarded(flags_parser))
 
 

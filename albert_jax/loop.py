@@ -207,7 +207,11 @@ class Loop:
         plan = checkpointing.plan_resume(
             self.workdir, config.get("resume_from"), config.get("init_from")
         )
-        logging.info("start: %s", plan)
+        if plan.path is None:
+            logging.info("start: from scratch")
+        else:
+            at = "" if plan.step is None else f" at step {plan.step}"
+            logging.info("start: %s %s%s", plan.kind, plan.path, at)
         if plan.step is None:  # init_from / scratch: the objective's weights, the rest fresh
             state = layout.initialize(
                 objective.initial_weights(trees.flatten(layout.abstract.params))

@@ -14,6 +14,7 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+import sys
 
 
 def tpu_pod_environment() -> bool:
@@ -55,15 +56,18 @@ def hide_accelerators_from_tensorflow() -> None:
     Imports TensorFlow (when installed): called right where TFDS is about to run it (building
     a dataset, reading TFRecord or a catalog dataset), so a process that reads only prepared
     ArrayRecord data, as a pretraining run on local disk does, never pays the ~6 s import."""
-    try:
-        import tensorflow as tf
-    except ImportError:
-        return
-    try:
-        tf.config.set_visible_devices([], "GPU")
-        tf.config.set_visible_devices([], "TPU")
-    except (RuntimeError, ValueError):  # already initialized, or no such device type
-        pass
+    from albert_jax import console
+
+    with console.tensorflow_notices_dropped():  # its C++ notices as it loads
+        try:
+            import tensorflow as tf
+        except ImportError:
+            return
+        try:
+            tf.config.set_visible_devices([], "GPU")
+            tf.config.set_visible_devices([], "TPU")
+        except (RuntimeError, ValueError):  # already initialized, or no such device type
+            pass
 
 
 # glibc's mallopt parameters (malloc.h).
@@ -105,6 +109,8 @@ def skip_absent_tpu() -> None:
         return
     if jax_has_cpu_only():  # no TPU chip here (`tpu_runtime_usable`), no other plugin
         os.environ["JAX_PLATFORMS"] = "cpu"
+        if "jax" in sys.modules:  # JAX read the variable when it was imported (a config file)
+            sys.modules["jax"].config.update("jax_platforms", "cpu")
 
 
 def cpu_device_count() -> int:

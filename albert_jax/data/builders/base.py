@@ -161,9 +161,19 @@ class LocalTextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     DESCRIPTION = ""
 
     def download_and_prepare(self, *args: Any, **kwargs: Any) -> None:
-        """TFDS's, after hiding the accelerators from TensorFlow, which writes the dataset."""
+        """TFDS's, after hiding the accelerators from TensorFlow, which writes the dataset.
+        No progress bars: in a log they leave a residue (on the line of an error message)."""
         hide_accelerators_from_tensorflow()
+        tfds.disable_progress_bar()
         super().download_and_prepare(*args, **kwargs)
+
+    def _log_download_bytes(self) -> None:
+        # TFDS prints "Downloading and preparing dataset Unknown size (download: Unknown
+        # size, ...)" of local files: one log line says what is built, and where.
+        logging.info("building %s in %s", self.info.full_name, self.data_dir)
+
+    def _log_download_done(self) -> None:
+        pass  # the split counts logged after the build say it is done
 
     def __init__(self, *, file_format: str | None = None, **kwargs: Any):
         super().__init__(file_format=file_format, **kwargs)
