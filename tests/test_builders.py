@@ -6,6 +6,7 @@ import bz2
 import functools
 import gzip
 import json
+import logging
 import os
 import re
 import subprocess
@@ -336,6 +337,59 @@ def test_documents_bad_input_is_counted(tmp_path):
         "surrogate": "lone \ufffd surrogate",
         "doc": "Plain text\nwith \ufffd a bad byte.",
     }
+
+
+def _build_documents(tmp_path, name: str, data: bytes, text_format: str = "auto"):
+    path = tmp_path / name
+    path.write_bytes(data)
+    config = DocumentsConfig(
+        name=name.replace(".", "_"), files=(str(path),), validation_fraction=0,
+        text_format=text_format,
+    )  # fmt: skip
+    builder = Documents(config=config, data_dir=str(tmp_path / "tfds"))
+    builder.download_and_prepare()
+    return builder
+
+
+def test_input_that_is_not_utf8_text_is_an_error_naming_it(tmp_path, caplog):
+    """#66 case 4: random bytes as raw text trained on `<unk>`s and a Latin-1 file kept every
+    document with U+FFFD, with only an INFO counter to tell; a UTF-16 file (byte-order mark)
+    ended in "split 'train' would be empty", nothing about its encoding."""
+    import random
+
+    noise = random.Random(0).randbytes(200_000)
+    with pytest.raises(ValueError, match=r"split 'train': .* not UTF-8 .*noise\.txt"):
+        _build_documents(tmp_path, "noise.txt", noise, "sentence_per_line")
+
+    latin1 = (
+        "".join(
+            json.dumps(
+                {"title": f"t{i}", "text": "Un caf\u00e9 noir, s'il vous pla\u00eet."},
+                ensure_ascii=False,
+            )
+            + "\n"
+            for i in range(20)
+        )
+        .encode("utf-8")
+        .replace("é".encode(), b"\xe9")
+        .replace("î".encode(), b"\xee")
+    )
+    with pytest.raises(ValueError, match=r"20 of 20 documents hold bytes that are "
+                       r"not UTF-8 .*latin1\.jsonl.*iconv -f LATIN1 -t UTF-8"):  # fmt: skip
+        _build_documents(tmp_path, "latin1.jsonl", latin1)
+
+    utf16 = "A document in UTF-16.\n\nAnother one.\n".encode("utf-16")  # with its BOM
+    for name, text_format in [("utf16.txt", "sentence_per_line"), ("utf16doc.txt", "auto")]:
+        with pytest.raises(ValueError, match=rf"{name}: a UTF-16LE file .* iconv -f UTF-16LE"):
+            _build_documents(tmp_path, name, utf16, text_format)
+
+    # One bad record among twenty sound ones: kept, and said at WARNING.
+    sound = latin1.decode("latin-1").encode("utf-8").splitlines(keepends=True)
+    mixed = b"".join(sound[:19]) + latin1.splitlines(keepends=True)[19]
+    with caplog.at_level(logging.WARNING):
+        builder = _build_documents(tmp_path, "mixed.jsonl", mixed)
+    assert counters(builder)["documents"] == 20
+    assert "1 of 20 documents hold bytes that are not UTF-8" in caplog.text
 
 
 def test_documents_all_empty_is_an_error(tmp_path):

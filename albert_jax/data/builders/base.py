@@ -51,6 +51,10 @@ if TYPE_CHECKING:
 
 TRAIN = "train"
 VALIDATION = "validation"
+# Input that is not UTF-8 text (`_check_decoding`): binary data replaces this fraction of its
+# characters or more; another encoding leaves most documents with a replaced byte.
+MAX_REPLACED_FRACTION = 0.05
+MIN_CHARACTERS_JUDGED, MIN_DOCUMENTS_JUDGED = 1000, 10
 VERSION = tfds.core.Version("1.0.0")
 _READ_CHUNK = 256  # records fetched per random-access call when streaming
 # LocalTextConfig fields left out of the dataset's recorded config (see its docstring): a dataset
@@ -136,6 +140,8 @@ class Tally:
     def __init__(self, split: str):
         self.split = split
         self.counts: collections.Counter[str] = collections.Counter()
+        # Characters of the kept documents, and how many are U+FFFD (`_check_decoding`).
+        self.characters = self.replaced = 0
 
     def document(self, name: str, n: int = 1) -> None:
         """Counts an event of a document that belongs to this pass's split."""
@@ -158,6 +164,8 @@ class LocalTextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     RELEASE_NOTES = {"1.0.0": "First release."}
     # Names of files a directory pattern contributes.
     FILE_SUFFIXES: tuple[str, ...] = ()
+    # Whether `decode_errors` counts documents (`tally.document`) or input bytes / lines.
+    DECODE_ERRORS_PER_DOCUMENT = True
     DESCRIPTION = ""
 
     def download_and_prepare(self, *args: Any, **kwargs: Any) -> None:
@@ -236,6 +244,8 @@ class LocalTextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
                 tally.document("empty_documents")
                 continue
             tally.document("documents")
+            tally.characters += len(text)
+            tally.replaced += text.count("\ufffd")
             yield key, {"title": title, "text": text}
 
     def _generate_examples(self, files: list[str], split: str):
@@ -258,12 +268,44 @@ class LocalTextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         counts = dict(sorted(tally.counts.items()))
         self.info.metadata["counters"][split] = counts
         logging.info("%s/%s %s: %s", self.name, self.config.name, split, counts)
+        self._check_decoding(files, tally)
         if written == 0:
             raise ValueError(
                 f"{self.name}/{self.config.name}: split {split!r} would be empty "
                 f"(counters: {counts}). Add input documents, or set validation_fraction=0 "
                 "to build `train` only."
             )
+
+    def _check_decoding(self, files: list[str], tally: Tally) -> None:
+        """Input that is not UTF-8 text is an error, not a corpus of `<unk>`s: binary data
+        (over `MAX_REPLACED_FRACTION` of the characters replaced by U+FFFD) or another
+        encoding such as Latin-1 (most of at least `MIN_DOCUMENTS_JUDGED` documents holding
+        invalid bytes). A few such documents are a warning: the rest of the corpus is sound."""
+        invalid, written = tally.counts.get("decode_errors", 0), tally.counts["documents"]
+        if not invalid:
+            return
+        where = f"{self.name}/{self.config.name} split {tally.split!r}"
+        replaced = f"{tally.replaced} of {tally.characters} characters replaced by U+FFFD"
+        if self.DECODE_ERRORS_PER_DOCUMENT:
+            what = f"{where}: {invalid} of {written} documents hold bytes that are not UTF-8"
+        else:
+            what = f"{where}: {invalid} runs of bytes that are not UTF-8 in {written} documents"
+        what += f" ({replaced})"
+        binary = tally.characters >= MIN_CHARACTERS_JUDGED and (
+            tally.replaced > tally.characters * MAX_REPLACED_FRACTION
+        )
+        encoded = (
+            self.DECODE_ERRORS_PER_DOCUMENT
+            and invalid >= MIN_DOCUMENTS_JUDGED
+            and invalid > written / 2
+        )
+        if binary or encoded:
+            shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+            raise ValueError(
+                f"{what}: the input is not UTF-8 text ({shown}); convert it (e.g. iconv -f "
+                "LATIN1 -t UTF-8) or leave out what is not text"
+            )
+        logging.warning("%s; they are kept", what)
 
     def _read_documents(
         self, files: list[str], wants: Callable[[str], bool], tally: Tally

@@ -5,7 +5,8 @@ on a TPU VM reading from a bucket. Compressed inputs (gzip, bzip2) are decompres
 streaming (`files.open_binary`, by their magic bytes); compressed data that is cut short or
 corrupt raises `files.UnreadableFileError` naming the file and the line it stops at. Lines and
 one-document files are read within `line_reading.LineLimits` (a builder config's `max_line_bytes`,
-`max_blank_lines`), in bounded memory whatever a file expands to.
+`max_blank_lines`), in bounded memory whatever a file expands to. A UTF-16 or UTF-32 file (by
+its byte-order mark) is refused naming it: the readers read UTF-8.
 """
 
 from __future__ import annotations
@@ -88,6 +89,25 @@ def decode_utf8(data: bytes) -> tuple[str, bool]:
     return text.removeprefix("\ufeff"), invalid
 
 
+# Byte-order marks of encodings that a UTF-8 reader turns into NUL-riddled text (UTF-32 LE's
+# mark starts with UTF-16 LE's, so it is looked for first).
+_OTHER_ENCODINGS = (
+    (b"\xff\xfe\x00\x00", "UTF-32LE"), (b"\x00\x00\xfe\xff", "UTF-32BE"),
+    (b"\xff\xfe", "UTF-16LE"), (b"\xfe\xff", "UTF-16BE"),
+)  # fmt: skip
+
+
+def refuse_other_encodings(path: str, head: bytes) -> None:
+    """Raises ValueError when a file's first bytes (`head`) are the byte-order mark of UTF-16
+    or UTF-32: its documents would be read as NUL-separated bytes, or not at all."""
+    for mark, name in _OTHER_ENCODINGS:
+        if head.startswith(mark):
+            raise ValueError(
+                f"{path}: a {name} file (it starts with that byte-order mark); corpora are "
+                f"read as UTF-8: convert it first, e.g. iconv -f {name} -t UTF-8"
+            )
+
+
 def read_lines(
     path: str, limits: line_reading.LineLimits, tally: Tally
 ) -> Iterator[tuple[int, bytes]]:
@@ -100,7 +120,10 @@ def read_lines(
         tally.input(line_reading.SKIP_COUNTERS[reason])
 
     with files.open_binary(path) as f:
-        yield from line_reading.read_lines(f, path, limits, on_skip)
+        for line_number, raw in line_reading.read_lines(f, path, limits, on_skip):
+            if line_number == 1:
+                refuse_other_encodings(path, raw)
+            yield line_number, raw
 
 
 def read_document(path: str, limits: line_reading.LineLimits, tally: Tally) -> bytes | None:
@@ -110,6 +133,8 @@ def read_document(path: str, limits: line_reading.LineLimits, tally: Tally) -> b
     cap = limits.max_line_bytes
     with files.open_binary(path) as f:
         data = line_reading.read_at_most(f, cap)
+    if data is not None:
+        refuse_other_encodings(path, data[:4])
     if data is None:
         logging.warning("%s: more than max_line_bytes=%d bytes; skipped", path, cap)
         tally.document("documents_too_long")

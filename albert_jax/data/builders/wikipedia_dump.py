@@ -139,6 +139,7 @@ class WikipediaDump(LocalTextBuilder, skip_registration=True):
     name = "wikipedia_dump"
     DESCRIPTION = "Articles of local MediaWiki XML dumps, markup stripped to plain prose."
     FILE_SUFFIXES = (".xml", ".xml.bz2", ".xml.gz", ".bz2")
+    DECODE_ERRORS_PER_DOCUMENT = False  # invalid bytes of the dump, counted as read
 
     def _workers(self, files: list[str]) -> int:
         requested = getattr(self.config, "num_workers", 0)
