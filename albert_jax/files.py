@@ -247,10 +247,14 @@ class _NamedDecompressedStream(io.BufferedIOBase):
     so far says where the file breaks (the line after the last complete one).
     """
 
-    def __init__(self, stream: BinaryIO, path: str, kind: str):
+    def __init__(self, stream: BinaryIO, path: str, kind: str, stored: BinaryIO):
         super().__init__()
-        self._stream, self._path, self._kind = stream, path, kind
+        self._stream, self._path, self._kind, self._stored = stream, path, kind, stored
         self._newlines = 0
+
+    def stored_position(self) -> int:
+        """Bytes of the compressed file read so far (the expansion bound of `read_lines`)."""
+        return self._stored.tell()
 
     @property
     def name(self) -> str:
@@ -362,11 +366,11 @@ def open_binary(path: PathLike) -> Iterator[BinaryIO]:
         raw.seek(0)
         if magic[:2] == b"\x1f\x8b":
             with gzip.GzipFile(fileobj=raw, mode="rb") as f:
-                yield _NamedDecompressedStream(f, name, "gzip")  # type: ignore[misc]
+                yield _NamedDecompressedStream(f, name, "gzip", raw)  # type: ignore[misc]
         elif _BZIP2_MAGIC.fullmatch(magic):
             # BZ2File reads multi-stream files (the Wikipedia "multistream" dumps) to the end.
             with bz2.BZ2File(raw, mode="rb") as f:
-                yield _NamedDecompressedStream(f, name, "bzip2")  # type: ignore[misc]
+                yield _NamedDecompressedStream(f, name, "bzip2", raw)  # type: ignore[misc]
         else:
             yield raw
 

@@ -19,11 +19,23 @@ from albert_jax.files import PathLike
 # text has 100k blank lines in a row; reading them costs time and yields nothing.
 DEFAULT_MAX_LINE_BYTES = 64 << 20
 DEFAULT_MAX_BLANK_LINES = 100_000
-# The skip reasons `read_lines` reports (readers count them under these names).
+# A file with 10k unparsable lines in a row is not the format it is read as; the rest of it
+# is junk to be parsed line by line (a 16 kB gzip of 8 Mi lines of "x" took 20 s).
+DEFAULT_MAX_BAD_LINES = 10_000
+# Text compresses 3-10x; gzip's ceiling is ~1030x. A file that decompresses to over 200x its
+# stored size (past `_EXPANSION_FLOOR`) is a bomb or generated filler, not a corpus.
+DEFAULT_MAX_EXPANSION = 200
+_EXPANSION_FLOOR = 1 << 20
+# The skip reasons `read_lines` (and `BadRun`) report (readers count them under these names).
 LINE_TOO_LONG = "line_too_long"
 BLANK_RUN_TOO_LONG = "blank_run_too_long"
+BAD_RUN_TOO_LONG = "bad_run_too_long"
+EXPANSION_TOO_LARGE = "expansion_too_large"
 # The counters the corpus readers keep of them (file-level tallies, as "bad_json_lines").
-SKIP_COUNTERS = {LINE_TOO_LONG: "lines_too_long", BLANK_RUN_TOO_LONG: "blank_runs_too_long"}
+SKIP_COUNTERS = {
+    LINE_TOO_LONG: "lines_too_long", BLANK_RUN_TOO_LONG: "blank_runs_too_long",
+    BAD_RUN_TOO_LONG: "bad_runs_too_long", EXPANSION_TOO_LARGE: "expansions_too_large",
+}  # fmt: skip
 _LINE_CHUNK = 1 << 20  # bytes per read of `read_lines`
 PROGRESS_BYTES = 256 << 20  # a long read logs a line every this many decompressed bytes
 
@@ -40,10 +52,16 @@ class LineLimits:
         bounded by it too: such a document is one record, as a JSON line is.
       max_blank_lines: the longest run of blank (empty or whitespace) lines; past it the rest
         of the file is not read.
+      max_bad_lines: the longest run of lines its reader cannot parse (`BadRun`); past it the
+        rest of the file is not read.
+      max_expansion: the most bytes a compressed file may decompress to per stored byte (past
+        the first MiB); past it the rest of the file is not read.
     """
 
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
     max_blank_lines: int = DEFAULT_MAX_BLANK_LINES
+    max_bad_lines: int = DEFAULT_MAX_BAD_LINES
+    max_expansion: int = DEFAULT_MAX_EXPANSION
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -84,9 +102,12 @@ def read_lines(
     run up to the limit are yielded). Each is logged as a warning naming `path` and the line,
     and reported to `on_skip(reason, line_number)` with reason `LINE_TOO_LONG` (the long line)
     or `BLANK_RUN_TOO_LONG` (the first line past the limit), for the caller to count. Every
-    `PROGRESS_BYTES` of data read, a line logs the progress.
+    `PROGRESS_BYTES` of data read, a line logs the progress. A compressed stream (one with
+    `stored_position`, `files.open_binary`'s) that expands past `limits.max_expansion` ends
+    the read too (`EXPANSION_TOO_LARGE`).
     """
     path = os.fspath(path)
+    stored = getattr(stream, "stored_position", None)
     cap, max_blank = limits.max_line_bytes, limits.max_blank_lines
     # Pieces of at most cap + 1 bytes: a line that ends in the piece it starts in is then
     # within the cap, so only a line spanning pieces is measured (per piece, not per line).
@@ -106,6 +127,11 @@ def read_lines(
                 f"more than max_blank_lines={max_blank} blank lines in a row (lines "
                 f"{line - max_blank}-{line}); the rest of the file is not read"
             )
+        if reason == EXPANSION_TOO_LARGE:
+            message = (
+                f"decompresses to over max_expansion={limits.max_expansion} times its stored "
+                f"size ({done} bytes from {stored()}); the rest of the file is not read"
+            )
         logging.warning("%s: %s", path, message)
         if on_skip is not None:
             on_skip(reason, line)
@@ -117,6 +143,9 @@ def read_lines(
         if done >= report_at:
             logging.info("%s: %d MiB read, %d lines so far", path, done >> 20, number)
             report_at += PROGRESS_BYTES
+        if stored and done > _EXPANSION_FLOOR and done > limits.max_expansion * stored():
+            skip(EXPANSION_TOO_LARGE, number + 1)
+            return
         lines = data.split(b"\n")
         tail = lines.pop()  # the start of a line that ends in a later piece (or b"")
         if lines and (dropping or head):
@@ -154,6 +183,38 @@ def read_lines(
             skip(BLANK_RUN_TOO_LONG, number + 1)
             return
         yield number + 1, line
+
+
+class BadRun:
+    """Consecutive lines of one file that its reader cannot parse (invalid JSON, not UTF-8):
+    `bad(line)` after each such line, `good()` after a parsed one. Past
+    `limits.max_bad_lines` in a row, `bad` logs a warning naming the file and the lines,
+    reports `BAD_RUN_TOO_LONG` to `on_skip` and returns True: the caller stops reading the
+    file, whose rest would cost seconds to skip line by line and yield nothing."""
+
+    def __init__(
+        self,
+        path: PathLike,
+        limits: LineLimits = DEFAULT_LINE_LIMITS,
+        on_skip: Callable[[str, int], None] | None = None,
+    ):
+        self.path, self.limit, self.on_skip = os.fspath(path), limits.max_bad_lines, on_skip
+        self.run = 0
+
+    def good(self) -> None:
+        self.run = 0
+
+    def bad(self, line: int) -> bool:
+        self.run += 1
+        if self.run <= self.limit:
+            return False
+        logging.warning(
+            "%s: more than max_bad_lines=%d unparsable lines in a row (lines %d-%d); the rest "
+            "of the file is not read", self.path, self.limit, line - self.limit, line,
+        )  # fmt: skip
+        if self.on_skip is not None:
+            self.on_skip(BAD_RUN_TOO_LONG, line)
+        return True
 
 
 def read_at_most(stream: BinaryIO, max_bytes: int) -> bytes | None:

@@ -107,6 +107,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.max_line_bytes = line_reading.DEFAULT_MAX_LINE_BYTES  # 64 MiB
     # More blank lines in a row end that file's read (counted as `blank_run_too_long`).
     c.data.max_blank_lines = line_reading.DEFAULT_MAX_BLANK_LINES  # 100k
+    # Unparsable lines in a row, and bytes per stored byte of a compressed file: past either
+    # the rest of that file is not read (`bad_run_too_long` / `expansion_too_large`).
+    c.data.max_bad_lines = line_reading.DEFAULT_MAX_BAD_LINES  # 10k
+    c.data.max_expansion = line_reading.DEFAULT_MAX_EXPANSION  # 200x
 
     # --- featurization
     c.max_seq_length = 512  # tokens per sequence (per option for multiple choice)

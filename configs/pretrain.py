@@ -105,6 +105,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # identity: what they skipped is in its counters.
     c.data.max_line_bytes = line_reading.DEFAULT_MAX_LINE_BYTES  # 64 MiB
     c.data.max_blank_lines = line_reading.DEFAULT_MAX_BLANK_LINES  # 100k
+    # Unparsable lines in a row, and bytes per stored byte of a compressed file: past either
+    # the rest of that file is not read (`bad_runs_too_long` / `expansions_too_large`).
+    c.data.max_bad_lines = line_reading.DEFAULT_MAX_BAD_LINES  # 10k
+    c.data.max_expansion = line_reading.DEFAULT_MAX_EXPANSION  # 200x
 
     # --- batch shape
     c.batch_size = 32 if tiny else 4096  # global batch (sequences per step)

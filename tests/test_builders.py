@@ -538,7 +538,9 @@ _READ_CORPUS_IN_A_PROCESS = """
 import json, resource, sys
 from albert_jax.data.builders import Documents, DocumentsConfig
 from albert_jax.data.builders.base import Tally
-builder = Documents(config=DocumentsConfig(name="x", files=(sys.argv[1],)), data_dir=sys.argv[2])
+# A high max_expansion: the file is ~1000x its stored size, and the long line is under test.
+config = DocumentsConfig(name="x", files=(sys.argv[1],), max_expansion=10_000)
+builder = Documents(config=config, data_dir=sys.argv[2])
 tally = Tally("train")
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 titles = [title for _, title, _ in builder._read_documents([sys.argv[1]], lambda t: True, tally)]

@@ -371,11 +371,40 @@ def test_a_gigabyte_line_is_skipped_in_bounded_memory(tmp_path):
     _gzip_bomb(path, good, b"a" * (1 << 20), 1024, b"\n" + good.replace(b"good", b"fine"))
     assert path.stat().st_size < 2 << 20
     got = _read_in_a_process(path, timeout=120)
-    assert got["kept"] == ["good", "fine"]
-    assert got["skipped"] == {line_reading.LINE_TOO_LONG: 1}
-    assert got["first_skipped"] == {line_reading.LINE_TOO_LONG: "big.jsonl.gz:2"}
-    # At most the 64 MiB cap of the line is held (in pieces, then dropped), never the line.
+    # At most the 64 MiB cap of the line would be held (in pieces, then dropped), never the
+    # line; at ~1000x its stored size the file is now abandoned before (max_expansion=200x,
+    # #66 case 10). The record after the line is not read.
     assert got["grew_mib"] < 256, got
+    assert got["kept"] == ["good"]
+    assert got["skipped"] == {line_reading.EXPANSION_TOO_LARGE: 1}
+    assert got["first_skipped"] == {line_reading.EXPANSION_TOO_LARGE: "big.jsonl.gz:2"}
+
+
+def test_a_gzip_of_junk_lines_is_abandoned_after_a_run_of_them(tmp_path):
+    """#66 case 10: 16 kB of gzip holding 8 Mi lines of "x" took 20 s to reject (~21 min a
+    MB): every line was parsed and skipped. max_bad_lines (10k) unparsable lines in a row end
+    the file's read; a record after a shorter run is still read."""
+    path = tmp_path / "junk.jsonl.gz"
+    good = b'{"sentence": "good", "label": 1}\n'
+    _gzip_bomb(path, good + b"x\n" * 50 + good, b"x\n" * (1 << 20), 8, good)
+    assert path.stat().st_size < 64 << 10
+    got = _read_in_a_process(path, timeout=60)
+    assert got["seconds"] < 2, got
+    assert got["kept"] == ["good", "good"]
+    # Lines 1 and 52 are records; the run starts at 53: line 10,053 is its first past the cap.
+    assert got["first_skipped"][line_reading.BAD_RUN_TOO_LONG] == "junk.jsonl.gz:10053"
+    assert got["skipped"]["invalid_json"] == 50 + 10_001
+
+
+def test_a_file_that_expands_too_far_ends_its_read(tmp_path):
+    """Valid records, but 1000x their stored size (generated filler or a bomb): the read
+    stops at max_expansion, said and counted, instead of parsing every copy."""
+    path = tmp_path / "filler.jsonl.gz"
+    record = b'{"sentence": "again", "label": 1}\n'
+    _gzip_bomb(path, record, record * (1 << 17), 64, b'{"sentence": "last", "label": 0}\n')
+    got = _read_in_a_process(path, timeout=60)
+    assert got["skipped"] == {line_reading.EXPANSION_TOO_LARGE: 1}
+    assert "last" not in got["kept"] and 0 < len(got["kept"]) < 64 << 17
 
 
 def test_a_long_run_of_blank_lines_ends_the_read_in_seconds(tmp_path):

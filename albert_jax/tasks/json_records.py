@@ -121,8 +121,10 @@ def jsonl_records(
 ) -> Iterator[tuple[str, str, dict]]:
     """Yields (id, location, record) for every JSON object line; counts the lines that are not
     (`bad_utf8`, `invalid_json`, `not_an_object`), those longer than `limits.max_line_bytes`
-    (`line_too_long`: skipped unread) and a run of blank lines past `limits.max_blank_lines`
-    (`blank_run_too_long`: the rest of the file is not read), each with its "file:line". name:
+    (`line_too_long`: skipped unread) and a run of blank lines past `limits.max_blank_lines`,
+    of unparsable lines past `limits.max_bad_lines` or a compressed file expanding past
+    `limits.max_expansion` (`blank_run_too_long`, `bad_run_too_long`, `expansion_too_large`:
+    the rest of the file is not read), each with its "file:line". name:
     what ids and locations call the file (`file_names`; default: its file name).
 
     Raises:
@@ -141,6 +143,7 @@ def jsonl_records(
 
     # Lines are decoded one by one (not through a text stream) so that one undecodable byte
     # costs its line only, counted like any other bad record, instead of ending the read.
+    bad_run = line_reading.BadRun(path, limits, skipped)
     with files.open_binary(path) as f:
         for line_number, raw in line_reading.read_lines(f, path, limits, skipped):
             where = f"{base}:{line_number}"
@@ -151,6 +154,8 @@ def jsonl_records(
                 stats.skip("bad_utf8", where)
                 undecodable += 1
                 first_undecodable = first_undecodable or line_number
+                if bad_run.bad(line_number):
+                    break
                 continue
             if line_number == 1:
                 line = line.removeprefix("\ufeff")  # a byte-order mark is not content
@@ -162,10 +167,15 @@ def jsonl_records(
                 record = json.loads(line)
             except json.JSONDecodeError:
                 stats.skip("invalid_json", where)
+                if bad_run.bad(line_number):
+                    break
                 continue
             if not isinstance(record, dict):
                 stats.skip("not_an_object", where)
+                if bad_run.bad(line_number):
+                    break
                 continue
+            bad_run.good()
             # Ids count lines from 0, as they always have (predictions files are keyed by them).
             yield f"{stem}-{line_number - 1}", where, record
     if undecodable and not decoded:

@@ -47,12 +47,24 @@ _MAX_BLANK_LINES = flags.DEFINE_integer(
     line_reading.DEFAULT_MAX_BLANK_LINES,
     "Longest run of blank lines read; a longer one ends its file's read (counted).",
 )
+_MAX_BAD_LINES = flags.DEFINE_integer(
+    "max_bad_lines",
+    line_reading.DEFAULT_MAX_BAD_LINES,
+    "Longest run of unparsable lines read; a longer one ends its file's read (counted).",
+)
+_MAX_EXPANSION = flags.DEFINE_integer(
+    "max_expansion",
+    line_reading.DEFAULT_MAX_EXPANSION,
+    "Most bytes a compressed file may expand to per stored byte; past it its read ends.",
+)
 
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    limits = line_reading.LineLimits(_MAX_LINE_BYTES.value, _MAX_BLANK_LINES.value)
+    limits = line_reading.LineLimits(
+        _MAX_LINE_BYTES.value, _MAX_BLANK_LINES.value, _MAX_BAD_LINES.value, _MAX_EXPANSION.value
+    )
     reports = prepare_sources(
         _SOURCES.value, data_dir=_DATA_DIR.value, rebuild=_REBUILD.value, limits=limits
     )

@@ -43,7 +43,13 @@ from absl import logging
 from albert_jax.data.builders.prepared import fingerprint, new_build_id
 from albert_jax.data.builders.text_files import resolve_files
 from albert_jax.files import is_local
-from albert_jax.line_reading import DEFAULT_MAX_BLANK_LINES, DEFAULT_MAX_LINE_BYTES, LineLimits
+from albert_jax.line_reading import (
+    DEFAULT_MAX_BAD_LINES,
+    DEFAULT_MAX_BLANK_LINES,
+    DEFAULT_MAX_EXPANSION,
+    DEFAULT_MAX_LINE_BYTES,
+    LineLimits,
+)
 from albert_jax.process_setup import hide_accelerators_from_tensorflow
 
 if TYPE_CHECKING:
@@ -59,7 +65,7 @@ VERSION = tfds.core.Version("1.0.0")
 _READ_CHUNK = 256  # records fetched per random-access call when streaming
 # LocalTextConfig fields left out of the dataset's recorded config (see its docstring): a dataset
 # prepared before they existed, or with other bounds, is still the same dataset.
-_NOT_IDENTITY = frozenset({"max_line_bytes", "max_blank_lines"})
+_NOT_IDENTITY = frozenset({"max_line_bytes", "max_blank_lines", "max_bad_lines", "max_expansion"})
 
 
 @dataclasses.dataclass
@@ -70,17 +76,21 @@ class LocalTextConfig(tfds.core.BuilderConfig):
       files: file paths, globs or directories (local or gs://); see `resolve_files`.
       validation_fraction: share of documents (by title hash) held out as `validation`;
         0 builds `train` only.
-      max_line_bytes, max_blank_lines: the bounds of reading the files (`line_reading.LineLimits`):
-        longer lines and whole-file documents are skipped and counted (`lines_too_long`,
-        `documents_too_long`), a longer run of blank lines ends its file's read
-        (`blank_runs_too_long`). Not part of the dataset's identity (`_config_record`): they
-        only guard the host against broken files, and what they skipped is in the counters.
+      max_line_bytes, max_blank_lines, max_bad_lines, max_expansion: the bounds of reading the
+        files (`line_reading.LineLimits`): longer lines and whole-file documents are skipped
+        and counted (`lines_too_long`, `documents_too_long`); a longer run of blank or
+        unparsable lines, or a compressed file expanding past the ratio, ends its file's read
+        (`blank_runs_too_long`, `bad_runs_too_long`, `expansions_too_large`). Not part of the
+        dataset's identity (`_config_record`): they only guard the host against broken
+        files, and what they skipped is in the counters.
     """
 
     files: tuple[str, ...] = ()
     validation_fraction: float = 0.01
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
     max_blank_lines: int = DEFAULT_MAX_BLANK_LINES
+    max_bad_lines: int = DEFAULT_MAX_BAD_LINES
+    max_expansion: int = DEFAULT_MAX_EXPANSION
 
     def __post_init__(self):
         if isinstance(self.files, str):
@@ -94,8 +104,8 @@ class LocalTextConfig(tfds.core.BuilderConfig):
 
     @property
     def line_limits(self) -> LineLimits:
-        """`max_line_bytes` and `max_blank_lines` as the `line_reading.read_lines` bounds."""
-        return LineLimits(self.max_line_bytes, self.max_blank_lines)
+        """The `line_reading.read_lines` bounds of this config's fields."""
+        return LineLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LineLimits)})
 
 
 def file_format_for(data_dir: str | os.PathLike) -> str:

@@ -20,10 +20,12 @@ replacement (`decode_errors`, per document), unparseable JSON lines are skipped
 (`untitled_records`), empty documents are skipped (`empty_documents`). A compressed file that
 is cut short or corrupt stops the build with an error naming the file and the line.
 
-Reading is bounded (`LocalTextConfig.max_line_bytes`, `max_blank_lines`): a longer line is
-skipped without being held whole (`lines_too_long`), a longer document file is skipped unread
-(`documents_too_long`), and a longer run of blank lines ends that file's read
-(`blank_runs_too_long`); each is logged with the file and the line.
+Reading is bounded (`LocalTextConfig.max_line_bytes`, `max_blank_lines`, `max_bad_lines`,
+`max_expansion`): a longer line is skipped without being held whole (`lines_too_long`), a
+longer document file is skipped unread (`documents_too_long`), and a longer run of blank lines
+or of JSON lines that are no record, or a compressed file that expands too far, ends that
+file's read (`blank_runs_too_long`, `bad_runs_too_long`, `expansions_too_large`); each is
+logged with the file and the line.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from albert_jax.data.builders.text_files import (
     read_lines,
     stem,
 )
-from albert_jax.line_reading import LineLimits
+from albert_jax.line_reading import SKIP_COUNTERS, BadRun, LineLimits
 
 TEXT_FORMATS = ("auto", "jsonl", "document_per_file", "sentence_per_line")
 _JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -101,6 +103,7 @@ def _read_jsonl(
     path: str, wants: Callable[[str], bool], tally: Tally, limits: LineLimits
 ) -> Iterator[tuple[int, str, str]]:
     name = stem(path)
+    bad_run = BadRun(path, limits, lambda reason, _: tally.input(SKIP_COUNTERS[reason]))
     for line_number, raw in read_lines(path, limits, tally):
         if not raw.strip():
             continue
@@ -109,10 +112,15 @@ def _read_jsonl(
             record = json.loads(line)
         except json.JSONDecodeError:
             tally.input("bad_json_lines")
+            if bad_run.bad(line_number):
+                return
             continue
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             tally.input("bad_records")
+            if bad_run.bad(line_number):
+                return
             continue
+        bad_run.good()
         title = record.get("title")
         if not isinstance(title, str) or not title.strip():
             tally.input("untitled_records")
