@@ -50,18 +50,63 @@ PROJECT_ERRORS = (
 EXPECTED_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, flags.Error)
 
 
+def _no_credentials(error: BaseException) -> str:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (
+        f"no Google Cloud credentials to reach gs:// ({first.rstrip('.')}): run "
+        "`gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS to a "
+        "service-account key file"
+    )
+
+
+def _storage_error(error: BaseException) -> str:
+    """TensorFlow's file-system errors (epath's gs:// client): their message is an HTTP
+    exchange over several lines; the path, and for a 404 what is missing, is what to say."""
+    text = str(getattr(error, "message", "") or error)
+    path = re.search(r"gs://[^\s'\"]+", text)
+    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    if path is None:
+        return f"{type(error).__name__}: {first}"
+    url = path.group(0).rstrip(".,;")
+    if type(error).__name__ == "NotFoundError":
+        bucket = url[len("gs://") :].split("/", 1)[0]
+        return (
+            f"{url}: not found: the bucket gs://{bucket} does not exist, or this account "
+            "cannot see it"
+        )
+    return f"{url}: {type(error).__name__}: {first}"
+
+
+# Other libraries' errors that are the environment's, not a bug: (module, class, the one line
+# that says it). Looked up like PROJECT_ERRORS, among the modules already imported.
+LIBRARY_ERRORS = (
+    ("google.auth.exceptions", "DefaultCredentialsError", _no_credentials),
+    ("tensorflow.python.framework.errors_impl", "OpError", _storage_error),
+)
+
+
+def _library_error(error: BaseException) -> Callable[[BaseException], str] | None:
+    for module, name, describe in LIBRARY_ERRORS:
+        kind = getattr(sys.modules.get(module), name, None)
+        if isinstance(kind, type) and isinstance(error, kind):
+            return describe
+    return None
+
+
 def is_expected(error: BaseException, extra: tuple[type[BaseException], ...] = ()) -> bool:
     """Whether `error` is a user's or the environment's, reported in one line: one of
-    `EXPECTED_ERRORS`, `PROJECT_ERRORS` or `extra` (a CLI's own)."""
+    `EXPECTED_ERRORS`, `PROJECT_ERRORS`, `LIBRARY_ERRORS` or `extra` (a CLI's own)."""
     project = [getattr(sys.modules.get(m), name, None) for m, name in PROJECT_ERRORS]
     kinds = EXPECTED_ERRORS + extra + tuple(k for k in project if isinstance(k, type))
-    return isinstance(error, kinds)
+    return isinstance(error, kinds) or _library_error(error) is not None
 
 
 def one_line(error: BaseException) -> str:
     """The message of `error` on one line. ml_collections puts the whole traceback of a config
     file's `get_config` in the message of the flag error; the config's own error stands for it.
     The lines of a longer message are joined with "; " (a space after a line ending in ':')."""
+    if (describe := _library_error(error)) is not None:
+        return describe(error)
     text = str(error)
     marker = ": Error whilst parsing config file"
     if isinstance(error, flags.Error) and marker in text:

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import socket
+import sys
 import tempfile
 import time
 import uuid
@@ -111,7 +112,12 @@ def run_directory(path: PathLike | None, flag: str = "--workdir") -> str:
 
 
 def as_path(path: PathLike) -> epath.Path:
-    """`epath.Path` of `absolute(path)`."""
+    """`epath.Path` of `absolute(path)`. A remote path loads TensorFlow (epath's client for
+    object stores) first, through `process_setup`: without its C++ notices on the console."""
+    if not is_local(path) and "tensorflow" not in sys.modules:
+        from albert_jax.process_setup import hide_accelerators_from_tensorflow
+
+        hide_accelerators_from_tensorflow()
     return epath.Path(absolute(path))
 
 

@@ -220,3 +220,46 @@ def test_a_refused_run_leaves_the_workdir_as_found(where, corpus, tmp_path, requ
     assert notes.read_text() == "kept"
     # A lease taken after the removal is a real lock again.
     workdir_lease.acquire(workdir).release()
+
+
+def _short_error(proc: subprocess.CompletedProcess) -> str:
+    """The last line of a refused run's stderr, checked to be its only error output."""
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) <= 6, proc.stderr  # the run's header, then the error
+    return lines[-1]
+
+
+def test_gs_without_credentials_is_one_line_with_the_fix(gcs, corpus):
+    """#66 case 8: a 38-line DefaultCredentialsError traceback. The emulator stands in for
+    Cloud Storage; without STORAGE_EMULATOR_HOST the storage client looks for credentials, and
+    this environment has none (an empty gcloud config, no metadata server)."""
+    args, env = tiny_command(gcs.url("nocred/run"), small_overrides(corpus), 1)
+    env = {**env, **gcs.env}
+    env.pop("STORAGE_EMULATOR_HOST")
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    last = _short_error(proc)
+    assert last.startswith("error: no Google Cloud credentials to reach gs://"), last
+    assert "gcloud auth application-default login" in last
+
+
+def test_an_init_in_a_missing_bucket_is_one_line_naming_it(gcs, shared_data, tmp_path):
+    """#66 case 8: fine-tuning from `init=` in a bucket that does not exist ended in a 51-line
+    TensorFlow NotFoundError traceback."""
+    from conftest import main_command
+
+    tasks = os.path.join(shared_data, "tasks", "sentiment_rt")
+    init = "gs://no-such-bucket-albert/pretrained"
+    args, env = main_command(
+        f"configs/finetune.py:task=sentiment_rt,init={init}", tmp_path / "run",
+        {"data.train_files": f"{tasks}/train.jsonl.gz", "data.eval_files": f"{tasks}/dev.jsonl.gz"},
+        1,
+    )  # fmt: skip
+    proc = subprocess.run(
+        args, cwd=REPO, env={**env, **gcs.env}, capture_output=True, text=True, timeout=120
+    )
+    last = _short_error(proc)
+    assert last.startswith("error: gs://no-such-bucket-albert/"), last
+    assert "the bucket gs://no-such-bucket-albert does not exist" in last
+    assert not (tmp_path / "run").exists()  # refused before its first step: nothing left
