@@ -40,7 +40,7 @@ from absl import logging
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
-from albert_jax import files
+from albert_jax import cli, files
 from albert_jax.checkpoint_dirs import (
     ITEMS,
     checkpoint_dir,
@@ -257,12 +257,20 @@ class Checkpointer:
             gc.collect()
             where = f"step {step} to {self.step_dir(step)}" if step is not None else self.directory
             intact = [s for s in self._manager.all_steps() if s != step]
-            raise CheckpointError(
+            error = CheckpointError(
                 f"saving the checkpoint of {where} failed ({describe_error(e)}); the run stops "
                 f"here. Checkpoints intact: {sorted(intact) or 'none'} under {self.directory}"
-            ) from e
+            )
+            # A storage that stopped answering also stalls the way out (other uploads,
+            # TensorBoard, the lease): a command gets a bounded time for it.
+            cli.bound_the_way_out(error)
+            raise error from e
 
     def close(self) -> None:
+        """Waits for the started saves and closes the manager; after a failed save neither
+        (its other writes may never finish: the run is ending with the error)."""
+        if self._failed:
+            return
         try:
             self.wait()
         finally:

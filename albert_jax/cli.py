@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -91,6 +93,54 @@ def _library_error(error: BaseException) -> Callable[[BaseException], str] | Non
         if isinstance(kind, type) and isinstance(error, kind):
             return describe
     return None
+
+
+# Seconds a command may spend on its way out after an error that ends it (`bound_the_way_out`).
+EXIT_BOUND_ENV, DEFAULT_EXIT_BOUND_S = "ALBERT_EXIT_BOUND_S", 60.0
+_running = False  # set by `run`: this process is a command, which may end itself
+
+
+def bound_the_way_out(error: BaseException) -> None:
+    """After `error`, which ends the run, the cleanup it unwinds through (closing checkpoint
+    writers, TensorBoard files, the lease on a storage that stopped answering) gets at most
+    ALBERT_EXIT_BOUND_S seconds (60); then the process ends with the error line regardless
+    (status 1). Only in a command (`run`): a notebook or test calling the library keeps its
+    process."""
+    if not _running:
+        return
+    try:
+        bound = float(os.environ.get(EXIT_BOUND_ENV, "") or DEFAULT_EXIT_BOUND_S)
+    except ValueError:
+        bound = DEFAULT_EXIT_BOUND_S
+    logging.warning("stopping: %s (at most %.0f s for the way out)", one_line(error), bound)
+
+    def expire() -> None:
+        end(f"error: {one_line(error)} (the way out took over {bound:.0f} s; abandoned)\n", 1)
+
+    timer = threading.Timer(bound, expire)
+    timer.daemon = True
+    timer.start()
+
+
+class StoppedBySignal(BaseException):
+    """SIGTERM before the training loop took the signal over: a BaseException, so that no
+    `except Exception` swallows it on its way out (a failed sweep point, a cleanup)."""
+
+
+def _stop(signum: int, frame: Any) -> None:
+    del frame
+    raise StoppedBySignal(f"stopped by signal {signum} before training began: nothing to save")
+
+
+def stop_on_sigterm() -> None:
+    """Until the training loop installs its own handler (save at the next step boundary, exit
+    0), SIGTERM ends the setup (data, tokenizer, compilation) at once: `StoppedBySignal`
+    unwinds it (a run that had not trained leaves its workdir as found), and `run` ends the
+    process with one line and status 0, as a preempted run does. Without it the default action
+    killed the process mid-compilation with a crash dump of every thread. Single-process runs
+    only: with `jax.distributed`, JAX's preemption service owns SIGTERM."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stop)
 
 
 def is_expected(error: BaseException, extra: tuple[type[BaseException], ...] = ()) -> bool:
@@ -206,6 +256,8 @@ def run(
                 return function(argv)
             except app.UsageError:
                 raise
+            except StoppedBySignal as e:
+                end(f"{e}; the same command starts the run again\n", 0)
             except Exception as e:
                 if flags.FLAGS.is_parsed() and app.PDB_POST_MORTEM.value:
                     raise  # absl's --pdb_post_mortem debugs the exception
@@ -219,6 +271,8 @@ def run(
         return call
 
     console.quiet()
+    global _running
+    _running = True
     app.run(guarded(main), flags_parser=guarded(flags_parser))
 
 

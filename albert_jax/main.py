@@ -67,6 +67,9 @@ def main(argv: list[str]) -> None:
     initialize_distributed()  # TensorFlow: kept off the accelerators where it is first used
     import jax
 
+    if jax.process_count() == 1:
+        cli.stop_on_sigterm()  # a SIGTERM while compiling: one line, no crash dump
+
     config = FLAGS.config
     logging.info(
         "process %d/%d, %d devices (%s), freed host memory kept for the next step: %s",

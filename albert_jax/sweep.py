@@ -423,7 +423,8 @@ def main(argv: list[str]) -> None:
         table = write_table(sweep, {})
     else:
         process_setup.set_up_process(all("task" in c for c in sweep.configs))
-        process_setup.initialize_distributed()  # several processes: each runs the same sweep
+        if not process_setup.initialize_distributed():  # several: each runs the same sweep
+            cli.stop_on_sigterm()
         table = run_sweep(sweep)
     logging.info("table: %s", files.as_path(sweep.root) / sweep_table.SWEEP_MD)
     print(sweep_table.render_markdown(table), flush=True)

@@ -4,8 +4,10 @@ stderr, exit status 1 (plan: 2), the traceback only with ALBERT_TRACEBACK=1; a b
 traceback; and the process ends even while a thread that never finishes is alive."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import REPO
@@ -170,3 +172,56 @@ def test_a_file_that_is_no_tokenizer_is_refused_naming_it_and_not_copied(tmp_pat
     proc = run(*main_args(tmp_path, f"--config.data.tokenizer={wrong}"))
     assert_one_line(proc, f"config.data.tokenizer: Tokenizer: '{wrong}' is not a sentencepiece")
     assert not (tmp_path / "run" / "tokenizer.model").exists()
+
+
+# A command whose checkpoint save fails (a real Checkpointer; the OS error of a storage that
+# stopped answering) and whose way out then never ends, as closing writers on that storage
+# did: a storage outage took 2 minutes from the failed save to the exit (#66 case 9).
+_FAILED_SAVE_THEN_A_STUCK_CLEANUP = """
+import sys, time
+from albert_jax import checkpointing, cli
+
+def main(argv):
+    checkpointer = checkpointing.Checkpointer(sys.argv[1])
+    try:
+        with checkpointer._failures(3):
+            raise OSError("the bucket stopped answering")
+    finally:
+        time.sleep(600)  # an upload that never completes
+
+cli.run(main)
+"""
+
+
+def test_the_way_out_after_a_failed_save_is_bounded(tmp_path):
+    started = time.monotonic()
+    proc = run("-c", _FAILED_SAVE_THEN_A_STUCK_CLEANUP, str(tmp_path / "run"),
+               **{cli.EXIT_BOUND_ENV: "3"})  # fmt: skip
+    assert time.monotonic() - started < 60, proc.stderr
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: saving the checkpoint of step 3 to "), last
+    assert last.endswith("(the way out took over 3 s; abandoned)"), last
+    assert "stopping: saving the checkpoint of step 3" in proc.stderr  # said when it happens
+
+
+def test_sigterm_before_training_is_one_line_and_leaves_no_workdir(corpus, tmp_path):
+    """#66 case 11: SIGTERM while the run sets up (the tokenizer, compilation) killed it with
+    the default action (and a crash dump of every thread where libtpu had started). Now it
+    unwinds: one line, status 0 as for a preemption, the new workdir removed again."""
+    workdir = tmp_path / "run"
+    args, env = tiny_command(workdir, small_overrides(corpus, num_train_steps=4), 1)
+    env = {**env, "ALBERT_LIBRARY_LOGS": ""}
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stderr:  # the first lines of the run: its devices, then its setup
+        lines.append(line)
+        if "main.py" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0, "".join(lines) + rest
+    last = rest.strip().splitlines()[-1]
+    assert last.startswith("stopped by signal 15 before training began: nothing to save"), rest
+    assert "Traceback" not in rest and "Fatal Python error" not in rest, rest
+    assert not workdir.exists()
