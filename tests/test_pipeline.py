@@ -507,4 +507,5 @@ cache.save_corpus({str(tmp_path / "entry")!r}, corpus, {{"documents": 1}})
     assert done.returncode != 0
     assert f"tokenized cache entry {tmp_path / 'entry'}: writing tokens.npy failed" in done.stderr
     assert "is the disk full?" in done.stderr
+    assert "[Errno None]" not in done.stderr  # numpy's error has no errno (#66 case 7)
     assert not (tmp_path / "entry" / cache.MARKER).exists()  # nothing committed

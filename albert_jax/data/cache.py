@@ -102,12 +102,13 @@ def save_corpus(entry: str | epath.Path, corpus: TokenizedCorpus, stats: dict) -
             with files.open_atomic(entry / f"{name}.npy") as f:
                 np.save(f, getattr(corpus, name))
         except OSError as e:  # numpy's "N requested and M written" names no file
-            raise OSError(
-                e.errno,
+            message = (
                 f"tokenized cache entry {entry}: writing {name}.npy failed ({e}); is the disk "
                 "full? Free space, or put the cache on another disk with "
-                "--config.data.cache_dir=...",
-            ) from e
+                "--config.data.cache_dir=..."
+            )
+            # numpy's error has no errno: OSError(None, m) would print "[Errno None] m".
+            raise (OSError(e.errno, message) if e.errno is not None else OSError(message)) from e
     files.write_json(entry / MARKER, stats, indent=None)
 
 
