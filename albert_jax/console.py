@@ -31,8 +31,11 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 _OWN_DIRS = (_PACKAGE + os.sep, os.path.join(os.path.dirname(_PACKAGE), "configs") + os.sep)
 
 # Library warnings about a state the package chose: the read-only CheckpointManager it opens
-# to look at a workdir's steps, the dataset folder it checks before building it.
-BENIGN = re.compile(r"Given directory is read only|has no dataset_info\.json")
+# to look at a workdir's steps, the dataset folder it checks before building it, the builder
+# config of a local source.
+BENIGN = re.compile(
+    r"Given directory is read only|has no dataset_info\.json|Using custom data configuration"
+)
 
 
 class RunOnly(logging.Filter):

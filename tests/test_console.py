@@ -118,3 +118,21 @@ def test_library_records_pass_from_warning_up_and_the_packages_always():
     assert run_only.filter(record(orbax, logging.WARNING))
     assert run_only.filter(record(orbax, logging.ERROR))
     assert not run_only.filter(record(orbax, logging.WARNING, "Given directory is read only=x"))
+
+
+def test_a_corpus_build_error_ends_the_output_on_its_own_line(tmp_path):
+    """#66 case 11: a TFDS progress-bar residue shared the `error:` line of a corpus-building
+    error. Building shows no progress bar now, and the error is the last line, alone."""
+    corpus = tmp_path / "utf16.txt"
+    corpus.write_bytes("A document in UTF-16.\n\nAnother one.\n".encode("utf-16"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "albert_jax.main", "--config=configs/pretrain.py:size=tiny",
+         f"--workdir={tmp_path / 'run'}", f"--config.data.sources=documents/u16={corpus}",
+         f"--config.data.data_dir={tmp_path / 'tfds'}"],
+        cwd=REPO, env=_user_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"error: {corpus}: a UTF-16LE file"), lines[-1]
+    assert len(lines) <= 6 and not FORBIDDEN.search(proc.stderr), proc.stderr
+    assert not set(SOURCE.findall(proc.stderr)) - OWN_FILES, proc.stderr
