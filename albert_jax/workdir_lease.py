@@ -143,6 +143,14 @@ def _same_file(fd: int, path: str) -> bool:
     return (held.st_dev, held.st_ino) == (on_disk.st_dev, on_disk.st_ino)
 
 
+# Deleting the lease object on the way out: retried for 20 s, not the client's default 120 s
+# (a lease left behind is taken over once stale, or at once by a restart on this host).
+def _release_retry() -> Any:
+    from google.cloud.storage.retry import DEFAULT_RETRY
+
+    return DEFAULT_RETRY.with_timeout(20.0)
+
+
 class _ObjectLease:
     """WORKDIR/run.lease as a Cloud Storage object, created only if absent and renewed on
     the generation this run wrote (see the module docstring)."""
@@ -285,12 +293,16 @@ class _ObjectLease:
 
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=self.renew_every_s + 30)
+            # A renewal stuck on a storage that stopped answering must not hold the way out
+            # (`cli.bound_the_way_out`); the thread is a daemon.
+            self._thread.join(timeout=10)
             self._thread = None
         if self._lost is None and self._generation is not None:
             with contextlib.suppress(exceptions.GoogleAPIError):
                 # Only our own generation: a lease taken over meanwhile stays its holder's.
-                self._blob.delete(if_generation_match=self._generation)
+                self._blob.delete(
+                    if_generation_match=self._generation, timeout=10, retry=_release_retry()
+                )
             self._generation = None
 
     def remove(self) -> None:
