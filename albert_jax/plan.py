@@ -117,6 +117,21 @@ def _fine_tuning(config: Any, target: Target) -> tuple[Any, Any, dict[str, Any],
     return objective, mesh, batch, flops
 
 
+def _refuse_absurd_batch(config: Any) -> None:
+    """A step of 2^31 tokens or more is refused before XLA sees it (it aborted inside the
+    compiler, SIGABRT and a C++ stack): XLA indexes a batch's positions with 32-bit integers,
+    and no slice holds such a step anyway."""
+    seq_field = "max_seq_length" if "task" in config else "seq_len"
+    rows = int(config.batch_size) * int(config.get("num_seeds", 1) or 1)
+    tokens = rows * int(config[seq_field])
+    if tokens >= 2**31:
+        raise ValueError(
+            f"config.batch_size={config.batch_size} x config.{seq_field}={config[seq_field]} "
+            f"is {tokens:,} tokens a step, over 2^31: no program of that size can be compiled; "
+            "use a smaller batch_size"
+        )
+
+
 def _gib(n: float) -> float:
     return round(n / GiB, 4)
 
@@ -129,6 +144,7 @@ def plan(config: Any, target: Target) -> dict[str, Any]:
     """Compiles `config`'s training step for `target`; the report (see the module docstring).
     A config that cannot be laid out on the slice raises ValueError before compiling."""
     config = config.copy_and_resolve_references()
+    _refuse_absurd_batch(config)
     build = _fine_tuning if "task" in config else _pretraining
     objective, mesh, batch_spec, model_flops = build(config, target)
     spec = target.spec
@@ -345,13 +361,13 @@ def main() -> None:
 def _run(argv: list[str]) -> int:
     import json
 
-    from absl import app, flags
+    from absl import flags
 
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        raise ValueError(f"unexpected arguments: {argv[1:]}")
     FLAGS = flags.FLAGS
-    if FLAGS.config is None or FLAGS.tpu is None:
-        raise app.UsageError("--config and --tpu are required")
+    if FLAGS.config is None or FLAGS.tpu is None:  # a usage error: status 2, not "no fit"
+        raise ValueError("--config and --tpu are required, e.g. --tpu=v4-32")
     target = make_target(FLAGS.tpu, FLAGS.num_slices)
     if FLAGS.max_batch:
         rows = [max_batch(FLAGS.config, target, r) for r in FLAGS.remat]

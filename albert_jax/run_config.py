@@ -140,15 +140,23 @@ def model_param_axes(model_config: ModelConfig) -> sharding.ParamAxes:
 
 
 def device_hbm_bytes(device: Any) -> float | None:
-    """Memory one accelerator device may use (its runtime's `bytes_limit`); None on a CPU or
-    where the runtime does not say."""
+    """Memory one accelerator device may use (its runtime's `bytes_limit`); for a TPU whose
+    runtime does not say (the compile-only devices of `albert_jax.plan`), what the TPU compiler
+    allows its generation (`tpu.slices`), so that a plan's auto mesh is the pod's. None on a
+    CPU or where neither is known."""
     if device.platform == "cpu":
         return None
     try:
         stats = device.memory_stats()
     except Exception:  # compile-only devices and some runtimes have none
-        return None
-    return float(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return float(stats["bytes_limit"])
+    if device.platform == "tpu":
+        from albert_jax.tpu.slices import usable_hbm_bytes
+
+        return usable_hbm_bytes(str(getattr(device, "device_kind", "")))
+    return None
 
 
 def write_run_config(config: Any, workdir: str) -> None:

@@ -103,6 +103,24 @@ def test_bad_tpu_name_lists_the_valid_forms():
     assert "--tpu='v3-7'" in done.stderr and "valid forms" in done.stderr
 
 
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--config=configs/pretrain.py:size=tiny"], "error: --config and --tpu are required"),
+        (["--config=configs/pretrain.py:size=tiny", "--tpu=v4-8",
+          "--config.batch_size=1000000000000"],
+         "error: config.batch_size=1000000000000 x config.seq_len=32 is "),
+    ],
+)  # fmt: skip
+def test_usage_errors_exit_2_before_the_compiler(flags, message):
+    """#67: a missing --tpu exited 1, the "does not fit" status; an absurd batch aborted inside
+    XLA (SIGABRT, exit 134, a C++ stack). Both are usage errors: one line, status 2."""
+    command = [sys.executable, "-m", "albert_jax.plan", *flags]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(message), done.stderr[-3000:]
+
+
 def test_memory_per_device_does_not_grow_with_the_slice():
     """One sequence per device: the same work a device, so the same temporaries on a slice 16x
     larger (the CPU-only matmul in a TPU program made them grow with the global batch)."""
@@ -285,3 +303,97 @@ def test_max_batch_finds_the_largest_fitting_batch():
                                          **{"model.remat_policy": "none"}),
                      plan.make_target("v2-8"))  # fmt: skip
     assert not over["fits"]
+
+
+# ------------------------------------------------------------- collectives, counted exactly
+
+
+def _independent_count(text: str) -> dict[str, dict[str, float]]:
+    """Collectives of an optimized HLO module's text, counted without `tpu/collectives.py`'s
+    parser: every collective line (async: its `-start`) times the trip count of the `while`
+    whose body holds it (one level of loops, asserted), grouped by op. Bytes only for
+    all-gathers (the result) and permutes (read from the definition of the operand)."""
+    defined, where, bodies = {}, {}, {}
+    computation = None
+    ops = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+    found = []
+    for line in text.splitlines():
+        if not line.startswith(" ") and line.rstrip().endswith("{"):
+            computation = line.split("%", 1)[1].split(" ", 1)[0] if "%" in line else None
+            continue
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = (.*?) ([a-z\-]+)\((.*)", line)
+        if not m:
+            continue
+        name, shape, op, rest = m.groups()
+        defined[name] = shape
+        where[name] = computation
+        if op == "while":
+            body = re.search(r"body=%(\S+?),", rest).group(1)
+            trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+            bodies[body] = int(trip.group(1)) if trip else 1
+        base = op.removesuffix("-start")
+        if base in ops and not op.endswith("-done"):
+            found.append((computation, base, op, shape, rest))
+    assert not any(where.get(b) in bodies for b in bodies), "nested loops"
+    counts: dict[str, dict[str, float]] = {}
+    for comp, base, op, shape, rest in found:
+        times = bodies.get(comp, 1)
+        entry = counts.setdefault(base, {"count": 0, "bytes": 0})
+        entry["count"] += times
+        if base == "all-gather" and op == base:
+            entry["bytes"] += times * sum(hlo_collectives._bytes(shape))
+        if base == "collective-permute":
+            operand = re.match(r"%([\w.\-]+)", rest).group(1)
+            entry["bytes"] += times * sum(hlo_collectives._bytes(defined[operand]))
+    return counts
+
+
+@pytest.mark.parametrize(
+    "name,make",
+    [
+        ("dp", lambda: (small(batch_size=64), "v5p-16", 1)),
+        ("fsdp", lambda: (small(batch_size=64, **{"mesh.data": 1, "mesh.fsdp": 4}), "v5p-8", 1)),
+        ("multi_slice", lambda: (small(batch_size=64), "v5p-8", 2)),
+        ("fine_tuning", lambda: (finetune_configs.get_config("task=sentiment_rt,init="),
+                                 "v5litepod-8", 1)),
+    ],
+)  # fmt: skip
+def test_the_plan_counts_every_collective_of_the_program(name, make):
+    """#67: collectives that share a `channel_id` were counted once (a multi-slice program's 17
+    all-gathers, all on channel 1, as 1), and a permute's bytes were its two `u32[]` context
+    scalars (8 B). The plan's count now equals an independent count of the HLO text."""
+    config, tpu, slices = make()
+    texts = []
+    original = hlo_collectives.summarize
+    hlo_collectives.summarize = lambda text: texts.append(text) or original(text)
+    try:
+        report = plan.plan(config, plan.make_target(tpu, slices))
+    finally:
+        hlo_collectives.summarize = original
+    ours = report["collectives"]["within_slice"]
+    theirs = _independent_count(texts[0])
+    # The TPU compiler's reduce-scatter is an all-reduce in an `all-reduce-scatter` computation.
+    merged = lambda c, k: c.get(k, {}).get("count", 0)  # noqa: E731
+    assert merged(ours, "all-reduce") + merged(ours, "reduce-scatter") == (
+        merged(theirs, "all-reduce") + merged(theirs, "reduce-scatter")
+    ), (ours, theirs)
+    for kind in ("all-gather", "all-to-all", "collective-permute"):
+        assert merged(ours, kind) == merged(theirs, kind), (kind, ours, theirs)
+    for kind in ("all-gather", "collective-permute"):
+        if kind in theirs:
+            assert ours[kind]["bytes"] == theirs[kind]["bytes"], (kind, ours, theirs)
+
+
+def test_auto_mesh_plans_with_the_targets_hbm():
+    """#67: compile-only devices report no memory, so `mesh.auto` in a plan had no HBM limit and
+    chose pure data parallelism, (32, 1, 1), for the unshared xxlarge on a v4-64: out of memory,
+    a false "does not fit". With the generation's usable HBM it chooses what the pod would."""
+    from albert_jax.train_config import validate_config
+
+    config = with_fields(
+        pretrain.get_config("size=xxlarge,sharing=none"), batch_size=256,
+        **{"model.dtype": "bfloat16", "model.remat_policy": "full", "mesh.auto": True},
+    )  # fmt: skip
+    target = plan.make_target("v4-64")
+    layout = validate_config(config, devices=target.devices, processes=target.processes)
+    assert layout.mesh_shape == (4, 8, 1)

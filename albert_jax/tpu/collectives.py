@@ -2,8 +2,9 @@
 with how many run a step and their bytes.
 
 What the text looks like, and why each rule below:
-- Async collectives come as `-start` / `-done` pairs: the `-start` is counted, once per
-  `channel_id` inside a computation (fusions repeat the same channel).
+- Async collectives come as `-start` / `-done` pairs: the `-start` is counted. Every
+  instruction counts, whatever its `channel_id`: the partitioner gives many distinct
+  collectives one channel (17 all-gathers of a multi-slice program shared `channel_id=1`).
 - A collective inside a `while` body (the scanned layers, when the compiler keeps the loop)
   runs once an iteration: its computation's count is multiplied by the loop's
   `known_trip_count`, down the call graph from ENTRY.
@@ -13,7 +14,10 @@ What the text looks like, and why each rule below:
   transfer is a `send` / `recv` pair to the megascale runtime, its operation in
   `_xla_megascale_transfer_type` (`ALL_REDUCE`, `ALL_GATHER`); the `send`s are counted.
 - Bytes are per device and per run of the collective: the buffer reduced (all-reduce,
-  reduce-scatter: its input), gathered (all-gather: its output) or moved (the rest).
+  reduce-scatter: its input), gathered (all-gather: its output) or moved (the rest). The
+  shape of an `all-gather-start` is (operands..., results...), that of a
+  `collective-permute-start` (operand, result, u32[], u32[]): the context scalars are no data
+  (they were counted as the permute's 8 bytes); an `all-reduce-start`'s is its result.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0
 _CALLS = re.compile(r"\b(calls|to_apply|body|condition|branch_computations|called_computations)"
                     r"=\{?([^}\s]*(?:,\s*%[\w.\-]+)*)\}?")  # fmt: skip
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+# A scalar array in a shape (`u32[]{:S(2)}`): the context values of an async start.
+_ARRAY_SCALAR = re.compile(r"\b[a-z0-9]+\[\](\{[^}]*\})?")
 _MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
          "ragged-all-to-all")  # fmt: skip
@@ -137,10 +142,8 @@ def summarize(text: str) -> dict[str, dict[str, dict[str, float]]]:
         times = runs.get(comp, 0)
         if not times:
             continue
-        seen: set[str] = set()
         for _, shape, op, rest in instructions:
             base = op.removesuffix("-start")
-            channel = _CHANNEL.search(rest)
             if base == "send" and _MEGASCALE.search(rest):
                 where, kind = "cross_slice", _MEGASCALE.search(rest).group(1).lower()
                 kind = kind.replace("_", "-")
@@ -148,8 +151,10 @@ def summarize(text: str) -> dict[str, dict[str, dict[str, float]]]:
             elif base in KINDS and not op.endswith("-done"):
                 where, kind = "within_slice", base
                 arrays = _bytes(shape)
-                if op.endswith("-start") and len(arrays) > 1:  # (operands..., results...)
-                    arrays = arrays[len(arrays) // 2 :]
+                if op == "collective-permute-start":  # (operand, result, u32[], u32[])
+                    arrays = _bytes(_ARRAY_SCALAR.sub("", shape))
+                if op in ("collective-permute-start", "all-gather-start") and len(arrays) > 1:
+                    arrays = arrays[len(arrays) // 2 :]  # (operands..., results...)
                 size = sum(arrays)
                 if base == "all-reduce" and comp.startswith("all-reduce-scatter"):
                     kind = "reduce-scatter"
@@ -157,11 +162,6 @@ def summarize(text: str) -> dict[str, dict[str, dict[str, float]]]:
                     size *= _group_size(rest)  # its input: the output times the group
             else:
                 continue
-            key = f"{kind}/{channel.group(1)}" if channel else None
-            if key is not None:
-                if key in seen:
-                    continue
-                seen.add(key)
             entry_ = out[where].setdefault(kind, {"count": 0, "bytes": 0})
             entry_["count"] += times
             entry_["bytes"] += times * size

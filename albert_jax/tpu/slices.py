@@ -60,6 +60,20 @@ GENERATIONS: dict[str, Generation] = {
 }  # fmt: skip
 
 
+# JAX's `device_kind` of each generation's devices (compile-only devices included).
+DEVICE_KINDS = {
+    "TPU v2": "v2", "TPU v3": "v3", "TPU v4": "v4", "TPU v5": "v5p", "TPU v5p": "v5p",
+    "TPU v5 lite": "v5litepod", "TPU v5e": "v5litepod", "TPU v6 lite": "v6e", "TPU v6e": "v6e",
+}  # fmt: skip
+
+
+def usable_hbm_bytes(device_kind: str) -> float | None:
+    """The HBM the TPU compiler lets one device of `device_kind` use (None: not a known TPU).
+    What `mesh.auto` plans with on compile-only devices, which report no memory."""
+    prefix = DEVICE_KINDS.get(device_kind)
+    return None if prefix is None else GENERATIONS[prefix].usable_hbm_gib * 2**30
+
+
 @dataclasses.dataclass(frozen=True)
 class SliceSpec:
     """One slice of `generation`: `name` as gcloud spells it, its chip grid `shape`."""
