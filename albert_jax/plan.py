@@ -221,12 +221,26 @@ def plan(config: Any, target: Target) -> dict[str, Any]:
         collectives=hlo_collectives.summarize(compiled.as_text()),
         compiler_flops_per_device=float((compiled.cost_analysis() or {}).get("flops", 0.0)),
     )
+    # One gradient copy in the parameters' precision (float32): what a data-parallel device
+    # must reduce at least once a step. Tensor parallelism splits it; FSDP reduce-scatters
+    # the whole copy (the input of the reduce-scatter), so it does not.
+    gradient = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
+    within = report["collectives"]["within_slice"]
+    reduced = sum(within.get(k, {}).get("bytes", 0) for k in ("all-reduce", "reduce-scatter"))
+    copy = gradient / report["mesh"]["tensor"]
+    report.update(
+        gradient_reduction_bytes={"within_slice": round(reduced)},
+        # Every all-reduce and reduce-scatter counts (a loss scalar, tensor-parallel
+        # activations too): over 1.0 means some gradient is reduced more than once a step.
+        gradient_reduction_over_params={"within_slice": round(reduced / copy, 3)},
+    )
     if target.num_slices > 1:
         # What data parallelism across slices must send at least: each device its share of
         # one gradient copy (the gradients reduce-scattered inside the slice first).
-        gradient = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
         share = gradient / spec.num_devices  # a slice's devices
         sent = sum(c["bytes"] for c in report["collectives"]["cross_slice"].values())
+        report["gradient_reduction_bytes"]["cross_slice"] = round(sent)
+        report["gradient_reduction_over_params"]["cross_slice"] = round(sent / share, 3)
         report.update(
             gradient_share_bytes=round(share),
             cross_slice_over_gradient=round(sent / share, 3),
@@ -327,6 +341,11 @@ def _print_human(report: dict[str, Any]) -> None:
             for kind, c in kinds.items():
                 print(f"  {where:11s} {kind:15s} {c['count']:5d} a step "
                       f"{c['bytes'] / 2**20:10.1f} MiB")  # fmt: skip
+        print(
+            f"  gradient reduced within a slice: "
+            f"{report['gradient_reduction_over_params']['within_slice']}x one copy a device "
+            f"({report['gradient_reduction_bytes']['within_slice'] / 2**20:.1f} MiB a step)"
+        )
         if "cross_slice_over_gradient" in report:
             print(
                 f"  across slices: {report['cross_slice_over_gradient']}x a device's share "

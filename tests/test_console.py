@@ -100,7 +100,9 @@ def test_the_plan_prints_its_report_only():
     output = _run(["albert_jax.plan", "--config=configs/pretrain.py:size=tiny", "--tpu=v4-8"])
     assert not FORBIDDEN.search(output), output
     assert not SOURCE.findall(output), output
-    assert "v4-8" in output and len(output.strip().splitlines()) <= 6, output
+    # The slice and shape, memory, the verdict, a line per kind of collective, the gradient
+    # traffic, the FLOPs bound.
+    assert "v4-8" in output and len(output.strip().splitlines()) <= 10, output
 
 
 def test_library_records_pass_from_warning_up_and_the_packages_always():

@@ -372,6 +372,15 @@ def test_the_plan_counts_every_collective_of_the_program(name, make):
         hlo_collectives.summarize = original
     ours = report["collectives"]["within_slice"]
     theirs = _independent_count(texts[0])
+    # The gradient traffic: every all-reduce and reduce-scatter, against one gradient copy.
+    reduced = sum(ours.get(k, {}).get("bytes", 0) for k in ("all-reduce", "reduce-scatter"))
+    assert report["gradient_reduction_bytes"]["within_slice"] == round(reduced)
+    assert report["gradient_reduction_over_params"]["within_slice"] >= 0.99, report
+    if slices > 1:
+        assert (
+            report["gradient_reduction_over_params"]["cross_slice"]
+            == (report["cross_slice_over_gradient"])
+        )
     # The TPU compiler's reduce-scatter is an all-reduce in an `all-reduce-scatter` computation.
     merged = lambda c, k: c.get(k, {}).get("count", 0)  # noqa: E731
     assert merged(ours, "all-reduce") + merged(ours, "reduce-scatter") == (
