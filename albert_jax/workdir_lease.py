@@ -105,7 +105,7 @@ class _LocalLease:
                     f"lock on {self.path} goes with its process)"
                 ) from None
             # A refused run removes the file it created while still holding the lock
-            # (`release(remove=True)`): a lock won on that unlinked file guards nothing.
+            # (`remove`): a lock won on that unlinked file guards nothing.
             if _same_file(fd, self.path):
                 break
             os.close(fd)
