@@ -354,8 +354,8 @@ def _independent_count(text: str) -> dict[str, dict[str, float]]:
         ("dp", lambda: (small(batch_size=64), "v5p-16", 1)),
         ("fsdp", lambda: (small(batch_size=64, **{"mesh.data": 1, "mesh.fsdp": 4}), "v5p-8", 1)),
         ("multi_slice", lambda: (small(batch_size=64), "v5p-8", 2)),
-        ("fine_tuning", lambda: (finetune_configs.get_config("task=sentiment_rt,init="),
-                                 "v5litepod-8", 1)),
+        ("fine_tuning", lambda: (with_fields(finetune_configs.get_config(
+            "task=sentiment_rt,init="), size="tiny"), "v5litepod-8", 1)),
     ],
 )  # fmt: skip
 def test_the_plan_counts_every_collective_of_the_program(name, make):
