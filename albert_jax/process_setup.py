@@ -8,6 +8,7 @@ that each CLI (main, glue_table) imports it beside its own."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import importlib.metadata
@@ -58,7 +59,9 @@ def hide_accelerators_from_tensorflow() -> None:
     ArrayRecord data, as a pretraining run on local disk does, never pays the ~6 s import."""
     from albert_jax import console
 
-    with console.tensorflow_notices_dropped():  # its C++ notices as it loads
+    # Its C++ notices come as it loads: only the first call needs them caught.
+    loading = "tensorflow" not in sys.modules
+    with console.tensorflow_notices_dropped() if loading else contextlib.nullcontext():
         try:
             import tensorflow as tf
         except ImportError:
@@ -170,9 +173,8 @@ def set_up_process(fine_tuning: bool) -> bool:
     left under glibc's defaults: there the setting made the step slower although it saved 70%
     of its page faults (ALBERT-base, 8 x 128, 2-core Xeon: 1.05x, the median of 13 pairs of
     processes run alternately with and without it, slower in 11), while it made the base
-    fine-tuning step 1.03x faster (the median of 6 such pairs, faster in 5). A host with libtpu
-    (the `[tpu]` extra, for `albert_jax.plan`) but no TPU chip runs on the CPU without trying a
-    TPU backend first (`skip_absent_tpu`). `albert_jax.main` calls it once its flags are read.
+    fine-tuning step 1.03x faster (the median of 6 such pairs, faster in 5). (A host with
+    libtpu but no TPU chip is kept off a TPU backend by every command's `console.quiet`.)
+    `albert_jax.main` calls it once its flags are read.
     """
-    skip_absent_tpu()
     return fine_tuning and keep_freed_host_memory()

@@ -300,10 +300,11 @@ def make_sweep(config: str, root: str, argv: Sequence[str], sweep_fn: str | None
     points = expand(lists, called)
     common = [a for a in argv if a.startswith(CONFIG_PREFIX)]
     configs = build_configs(base, points, common)
-    share_tokenizers(configs, files.run_directory(root, "--root"))
+    root = files.run_directory(root, "--root")
+    share_tokenizers(configs, root)
     _validate(points, configs)
-    return Sweep(files.run_directory(root, "--root"), points, configs, describe=config, group=group,
-                 base=base, common=tuple(common))  # fmt: skip
+    return Sweep(root, points, configs, describe=config, group=group, base=base,
+                 common=tuple(common))  # fmt: skip
 
 
 def _tokenizer_inputs(config: Any) -> tuple[Any, ...]:
