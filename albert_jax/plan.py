@@ -203,6 +203,7 @@ def plan(config: Any, target: Target) -> dict[str, Any]:
                       temporaries_gib=_temporaries_of(error), collectives=None)  # fmt: skip
         return report
     stats = compiled.memory_analysis()
+    hlo = compiled.as_text()
     total = (stats.argument_size_in_bytes + stats.output_size_in_bytes
              - stats.alias_size_in_bytes + stats.temp_size_in_bytes)  # fmt: skip
     report.update(
@@ -218,21 +219,25 @@ def plan(config: Any, target: Target) -> dict[str, Any]:
         # usable HBM (its own, undocumented peak estimate being lower); without hardware to
         # settle it, that is reported as not fitting, with `compiler_accepted` true.
         fits=total / GiB <= spec.usable_hbm_gib,
-        collectives=hlo_collectives.summarize(compiled.as_text()),
+        collectives=hlo_collectives.summarize(hlo),
         compiler_flops_per_device=float((compiled.cost_analysis() or {}).get("flops", 0.0)),
     )
     # One gradient copy in the parameters' precision (float32): what a data-parallel device
     # must reduce at least once a step. Tensor parallelism splits it; FSDP reduce-scatters
     # the whole copy (the input of the reduce-scatter), so it does not.
     gradient = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
-    within = report["collectives"]["within_slice"]
-    reduced = sum(within.get(k, {}).get("bytes", 0) for k in ("all-reduce", "reduce-scatter"))
+    by_axis = hlo_collectives.reductions_by_axis(
+        hlo, tuple(mesh.devices.shape), tuple(mesh.axis_names)
+    )
+    # Sums over the batch axes are the gradients' (and the loss's scalars); over `tensor`
+    # alone, tensor parallelism's partial activations, reported apart.
+    reduced = sum(b for axes, b in by_axis.items() if axes not in ("tensor", "none"))
     copy = gradient / report["mesh"]["tensor"]
     report.update(
         gradient_reduction_bytes={"within_slice": round(reduced)},
-        # Every all-reduce and reduce-scatter counts (a loss scalar, tensor-parallel
-        # activations too): over 1.0 means some gradient is reduced more than once a step.
+        # Over 1.0: some gradient is reduced more than once a step (or in a wider dtype).
         gradient_reduction_over_params={"within_slice": round(reduced / copy, 3)},
+        tensor_parallel_reduction_bytes=round(by_axis.get("tensor", 0)),
     )
     if target.num_slices > 1:
         # What data parallelism across slices must send at least: each device its share of
@@ -246,6 +251,41 @@ def plan(config: Any, target: Target) -> dict[str, Any]:
             cross_slice_over_gradient=round(sent / share, 3),
         )
     return report
+
+
+def options(config: Any, target: Target, report: dict[str, Any]) -> list[str]:
+    """What would make a config that does not fit fit, cheapest first, each compiled: the
+    least recomputation after the config's (`REMAT_ORDER`) that fits; for pretraining, the
+    fewest `config.microbatches` (each pass 1/N of the batch) that fit at the config's remat;
+    then a larger slice of the generation, or more slices (not compiled)."""
+    config = config.copy_and_resolve_references()
+    found = []
+    current = str(config.model.get("remat_policy") or "none")
+    later = REMAT_ORDER[REMAT_ORDER.index(current) + 1 :] if current in REMAT_ORDER else ()
+    for remat in later:
+        tried = plan(with_fields(config, **{"model.remat_policy": remat}), target)
+        if tried["fits"]:
+            found.append(f"--config.model.remat_policy={remat} ({tried['total_gib']:.2f} GiB "
+                         "a device)")  # fmt: skip
+            break
+    if "task" not in config:  # fine-tuning has no gradient accumulation
+        mesh = report["mesh"]
+        rows = int(config.batch_size) // (mesh["data"] * mesh["fsdp"])
+        now = int(config.get("microbatches", 1))
+        for n in (2, 4, 8, 16, 32):
+            if rows % (now * n):
+                break
+            tried = plan(with_fields(config, microbatches=now * n), target)
+            if tried["fits"]:
+                found.append(f"--config.microbatches={now * n} (the same update in {now * n} "
+                             f"passes; {tried['total_gib']:.2f} GiB a device)")  # fmt: skip
+                break
+    spec = target.spec
+    larger = [n for n in spec.generation.sizes if n > int(spec.name.rsplit("-", 1)[1])]
+    slices = f"--num_slices={target.num_slices * 2}"
+    found.append(f"a larger slice ({spec.generation.prefix}-{larger[0]}) or {slices}"
+                 if larger else f"{slices}")  # fmt: skip
+    return found
 
 
 def _steps(config: Any) -> int:
@@ -323,6 +363,12 @@ def _define_flags() -> None:
     flags.DEFINE_bool("json", False, "Print one JSON object.")
     flags.DEFINE_bool("max_batch", False, "Find the largest global batch that fits, per remat.")
     flags.DEFINE_list("remat", list(REMAT_ORDER), "Remat policies --max_batch tries.")
+    flags.DEFINE_bool(
+        "options",
+        True,
+        "For a config that does not fit: compile what would "
+        "(more remat, microbatches) and name it, with a larger slice.",
+    )
 
 
 def _print_human(report: dict[str, Any]) -> None:
@@ -357,6 +403,8 @@ def _print_human(report: dict[str, Any]) -> None:
               f"(its peak estimate: {report['peak_gib']:.2f} GiB)")  # fmt: skip
     else:
         print(f"  DOES NOT FIT: {report['error']}")
+    for i, option in enumerate(report.get("options", ()), 1):
+        print(f"  option {i}: {option}")
     print(
         f"  model FLOPs a device {report['flops_per_device']:.3e}: at the peak bf16 rate "
         f">= {report['peak_bound_s']:.3f} s a step (a lower bound, not a step time), "
@@ -389,18 +437,28 @@ def _run(argv: list[str]) -> int:
         raise ValueError("--config and --tpu are required, e.g. --tpu=v4-32")
     target = make_target(FLAGS.tpu, FLAGS.num_slices)
     if FLAGS.max_batch:
-        rows = [max_batch(FLAGS.config, target, r) for r in FLAGS.remat]
+        counts = [int(m) for m in FLAGS.microbatches]
+        if "task" in FLAGS.config and counts != [1]:
+            raise ValueError("--microbatches: fine-tuning has no gradient accumulation")
+        rows = [
+            {**max_batch(with_fields(FLAGS.config, microbatches=m) if m > 1 else FLAGS.config,
+                         target, r), "microbatches": m}
+            for r in FLAGS.remat for m in counts
+        ]  # fmt: skip
         out: dict[str, Any] = {"tpu": FLAGS.tpu, "num_slices": FLAGS.num_slices,
                                "max_batch": rows}  # fmt: skip
         fits = any(r["max_batch"] for r in rows)
     else:
         out = plan(FLAGS.config, target)
         fits = out["fits"]
+        if not fits and FLAGS.options:
+            out["options"] = options(FLAGS.config, target, out)
     if FLAGS.json:
         print(json.dumps(out))
     elif FLAGS.max_batch:
         for r in out["max_batch"]:
-            print(f"remat {r['remat']:20s} max global batch {r['max_batch']}")
+            print(f"remat {r['remat']:20s} microbatches {r['microbatches']:3d} "
+                  f"max global batch {r['max_batch']}")  # fmt: skip
     else:
         _print_human(out)
     return 0 if fits else 1

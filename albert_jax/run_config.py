@@ -93,6 +93,12 @@ def mesh_layout(
         them all), or a parameter dimension and mesh axis that do not divide.
     """
     devices = tuple(jax.devices() if devices is None else devices)
+    reduce_dtype = config_field(config, "mesh.gradient_reduction_dtype", "float32")
+    if reduce_dtype not in sharding.REDUCTION_DTYPES:
+        raise ValueError(
+            f"config.mesh.gradient_reduction_dtype={reduce_dtype!r} must be one of "
+            f"{sharding.REDUCTION_DTYPES}"
+        )
     if config_field(config, "mesh.auto", False):
         if model_config is None:
             raise ValueError("config.mesh.auto=True needs the model config to choose a layout")

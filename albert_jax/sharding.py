@@ -9,6 +9,7 @@ that FSDP-sharding the `embed` dim of weights never shards the feature dim of ac
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -154,43 +155,88 @@ def slice_groups(mesh: Mesh, slices: int = 0) -> int:
     return max(int(slices), slice_count(list(mesh.devices.flat)))
 
 
-def forward_per_replica(forward: Callable[..., Any], mesh: Mesh, slices: int = 0) -> Callable:
-    """`forward(params, batch, rng)` → outputs [B, ...] run once per data-parallel replica
-    (`jax.shard_map`, manual over `data`; fsdp and tensor stay automatic) when the data axis
-    spans several slices (`slice_groups`); else `forward` itself.
+REDUCTION_DTYPES = ("float32", "bfloat16")  # config.gradient_reduction_dtype
 
-    Why: under the automatic partitioner a weight used twice (the shared block in the scan
-    and in the split-off last layer, the word embeddings in the lookup and the tied decoder)
-    gets each use's gradient reduced on its own — across slices, over the data-center
-    network, about two gradient copies a step. Here the params enter the replica once
-    (`pcast` to varying), so the backward pass sums every use inside the replica and
-    reduces each weight once (the transpose of that one `pcast` is one `psum` over data).
+
+def forward_per_replica(
+    forward: Callable[..., Any], mesh: Mesh, reduce_dtype: str = "float32"
+) -> Callable:
+    """`forward(params, batch, rng)` → outputs [B, ...], run once per batch shard: manual
+    over the batch axes `data` and `fsdp` (`jax.shard_map`; `tensor` stays automatic), where
+    the mesh splits the batch; else `forward` itself.
+
+    Why: under the automatic partitioner each use of a weight gets its gradient reduced on
+    its own — the shared block once per layer application (inside the scanned backward loop,
+    and again in the split-off last layer or in each unrolled layer of fine-tuning), the word
+    embeddings in the lookup and the tied decoder — and an FSDP weight is gathered again for
+    every application. Here the params enter the replica once (`_enter`): gathered over
+    `fsdp` at the boundary, once for the step's forward and backward, so the backward pass
+    sums every use inside the replica, and each weight's sum leaves by one all-reduce over
+    (data, fsdp), in `reduce_dtype` (config.mesh.gradient_reduction_dtype); the result is
+    sliced to the weight's FSDP shard (the TPU compiler makes some of these a reduce-scatter,
+    keeps others an all-reduce). The collectives are written as psums: a reduce-scatter or
+    all-gather inside the region would first gather the weight whole over the automatic
+    `tensor` axis (measured: xxlarge on a v3-512 gathered f32 weights over `tensor`).
+
+    Where `data` spans several slices, the TPU compiler splits each sum over `data` into a
+    sum inside each slice and one across slices of each device's share. (Written as a
+    reduce-scatter and an all-gather over `data` instead, more crossed: 1.67 against 1.28
+    shares of base's gradient on 2 x v5p-32.)
+
     The loss stays outside, on the global batch: its normalizers (Σ weights) are global and
-    the step's numbers those of one slice, up to the order of sums. Dropout keys are folded
-    with the replica's index (the masks differ from a one-slice run's, not their law).
+    the step's numbers those of the automatic program up to the order of sums. Dropout keys
+    are folded with the shard's index (the masks differ from one device's, not their law).
     """
-    if slice_groups(mesh, slices) <= 1 or mesh.shape["data"] == 1:
+    axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
+    if not axes:
         return forward
     import flax.linen as nn
 
+    dtype = jax.numpy.dtype(reduce_dtype)
+    rounded = None
+    if mesh.devices.flat[0].platform == "cpu" and dtype != jax.numpy.float32:
+        # XLA:CPU aborts on this all-reduce in bfloat16 (hlo_instruction.cc: "Invalid binary
+        # instruction opcode copy"): on CPU devices (tests, a host's run) each partial sum
+        # is rounded to bfloat16 and the sum runs in float32.
+        dtype, rounded = jax.numpy.dtype(jax.numpy.float32), dtype
+    enter = functools.partial(_enter, dtype=dtype, rounded=rounded)
+
     def replica(params: PyTree, batch: PyTree, rng: jax.Array) -> PyTree:
-        rng = jax.random.fold_in(rng, jax.lax.axis_index("data"))
-        params = jax.lax.pcast(params, "data", to="varying")
-        # Inside, `data` is manual: a constraint may name only the automatic axes.
-        rules = tuple((name, _without_data(axes)) for name, axes in nn.get_logical_axis_rules())
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
+        params = jax.tree.map(enter, params)
+        # Inside, data and fsdp are manual: a constraint may name only the automatic axes.
+        rules = tuple((name, _without_manual(a)) for name, a in nn.get_logical_axis_rules())
         with nn.logical_axis_rules(rules):
             return forward(params, batch, rng)
 
-    spec = PartitionSpec("data")
-    return jax.shard_map(replica, mesh=mesh, in_specs=(PartitionSpec(), spec, PartitionSpec()),
-                         out_specs=spec, axis_names={"data"})  # fmt: skip
+    rows = PartitionSpec(("data", "fsdp"))
+    return jax.shard_map(replica, mesh=mesh, in_specs=(PartitionSpec(), rows, PartitionSpec()),
+                         out_specs=rows, axis_names={"data", "fsdp"})  # fmt: skip
 
 
-def _without_data(axes: str | tuple[str, ...] | None) -> str | tuple[str, ...] | None:
+def _enter(param: jax.Array, dtype: Any, rounded: Any = None) -> jax.Array:
+    """A whole parameter → the same in every replica (varying over data and fsdp); its
+    gradient, summed over the replica's uses, leaves as one sum over (data, fsdp) in `dtype`
+    (`rounded`: each partial sum rounded to that dtype first)."""
+
+    @jax.custom_vjp
+    def enter(x):
+        return jax.lax.pcast(x, ("data", "fsdp"), to="varying")
+
+    def reduce(_, g):
+        g = g.astype(dtype) if rounded is None else g.astype(rounded).astype(dtype)
+        g = jax.lax.psum(g, ("data", "fsdp"))
+        return (g.astype(param.dtype),)
+
+    enter.defvjp(lambda x: (enter(x), None), reduce)
+    return enter(param)
+
+
+def _without_manual(axes: str | tuple[str, ...] | None) -> str | tuple[str, ...] | None:
     if isinstance(axes, tuple):
-        kept = tuple(a for a in axes if a != "data")
+        kept = tuple(a for a in axes if a not in ("data", "fsdp"))
         return kept if len(kept) > 1 else (kept[0] if kept else None)
-    return None if axes == "data" else axes
+    return None if axes in ("data", "fsdp") else axes
 
 
 # ----------------------------------------------------------------------------------------------

@@ -54,10 +54,10 @@ class TaskModel:
         return self.kind.apply(self.model, params, batch, train=True, rng=rng)
 
     def lay_on(self, mesh: Mesh) -> None:
-        """Across slices the forward pass runs once per data replica (one gradient
-        reduction per weight: `sharding.forward_per_replica`)."""
-        slices = int(self.config.get("mesh", {}).get("slices", 0))
-        self._forward = forward_per_replica(self._forward, mesh, slices)
+        """The forward pass runs once per batch shard (one gradient reduction per weight:
+        `sharding.forward_per_replica`)."""
+        dtype = self.config.get("mesh", {}).get("gradient_reduction_dtype", "float32")
+        self._forward = forward_per_replica(self._forward, mesh, dtype)
 
     def eval_fn(self, params: PyTree, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         """The kind's outputs [B, ...]; N seeds: [B, N, ...] (rows stay the sharded axis)."""

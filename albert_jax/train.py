@@ -153,9 +153,9 @@ class PretrainingModel:
         self.masked_lm = float(config.data.masked_lm_prob) > 0  # else no MLM term, no mlm_*
         self.microbatches = int(config.microbatches)
         self._eval_sums = make_eval_step(config, model)
-        if mesh is not None:  # across slices: once per data replica (one gradient reduction)
-            slices = int(config.get("mesh", {}).get("slices", 0))
-            self._forward = forward_per_replica(self._forward, mesh, slices)
+        if mesh is not None:  # once per batch shard: one gradient reduction per weight
+            dtype = config_field(config, "mesh.gradient_reduction_dtype", "float32")
+            self._forward = forward_per_replica(self._forward, mesh, dtype)
 
     def init_variables(self, rng: jax.Array) -> PyTree:
         return init_params(self.model, rng, batch_size=self.init_rows, seq_len=8)["params"]

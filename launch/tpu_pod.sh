@@ -404,7 +404,7 @@ plan_before_create() {
   local why fix
   if ((status == 1)); then
     why="${CONFIG} does not fit ${TYPE} x${NUM_SLICES}: $(plan_figures <<<"$report")"
-    fix="pick a larger --type or more --num_slices, a smaller batch or config.model.remat_policy"
+    fix="$(plan_options <<<"$report")"
   else
     why="the plan of ${CONFIG} for ${TYPE} x${NUM_SLICES} failed (exit ${status}, its error above)"
     fix="fix the config"
@@ -425,6 +425,13 @@ if r.get("compiler_accepted"):
     print(f"{total} GiB a device of {usable} usable, mesh {mesh}")
 else:  # the compiler refused it: its own figures
     print(f"the TPU compiler refused it ({error}), mesh {mesh}")'
+}
+
+plan_options() { # the plan's JSON on stdin -> what would fit, cheapest first, in one line
+  "${PYTHON:-python3}" -c '
+import json, sys
+options = json.load(sys.stdin).get("options") or ["a larger --type or more --num_slices"]
+print("what would fit, cheapest first: " + "; ".join(f"({i}) {o}" for i, o in enumerate(options, 1)))'
 }
 
 ssh_workers() { # worker command (every slice's with --num_slices > 1)

@@ -72,6 +72,73 @@ def _group_size(rest: str) -> int:
     return 1
 
 
+def _first_group(rest: str, devices: int) -> list[int] | None:
+    """The device ids of a collective's first replica group, in any of XLA's three forms
+    (explicit lists, iota `[G,S]<=[dims]T(perm)`, `mesh[...] {axes}`); None when unreadable."""
+    import numpy as np
+
+    explicit = re.search(r"replica_groups=\{\{([\d,]*)\}", rest)
+    if explicit:
+        return [int(i) for i in explicit.group(1).split(",") if i]
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
+    if iota:
+        dims = [int(d) for d in iota.group(3).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if iota.group(4):
+            ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
+        return ids.reshape(int(iota.group(1)), int(iota.group(2)))[0].tolist()
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*(\{[^}]*\})?", rest)
+    if mesh:
+        sizes = [(a, int(n)) for a, n in re.findall(r"'(\w+)'=(\d+)", mesh.group(1))]
+        ids = np.arange(int(np.prod([n for _, n in sizes]))).reshape([n for _, n in sizes])
+        order = re.search(r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)", rest)
+        if order:
+            dims = [int(d) for d in order.group(1).split(",")]
+            flat = np.arange(int(np.prod(dims))).reshape(dims)
+            if order.group(2):
+                flat = flat.transpose([int(p) for p in order.group(2).split(",")])
+            ids = flat.reshape(-1)[ids]
+        grouped = set(re.findall(r"'(\w+)'", mesh.group(2) or ""))
+        index = tuple(slice(None) if a in grouped else 0 for a, _ in sizes)
+        return ids[index].reshape(-1).tolist()
+    return None
+
+
+def reductions_by_axis(
+    text: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...]
+) -> dict[str, float]:
+    """Bytes a step, per device, of the all-reduces and reduce-scatters inside a slice, keyed
+    by the mesh axes their replica groups span ("fsdp", "data+fsdp", "tensor", ...; "?" for a
+    group this cannot read). Device ids are positions in the mesh's device order (the
+    program's device assignment), so a group of ids maps to the axes along which they differ.
+    Tells a gradient reduction (over the batch axes) from tensor parallelism's sums of
+    activations (over `tensor` alone)."""
+    import numpy as np
+
+    entry, computations = _parse(text)
+    runs = _multiplicities(entry, computations)
+    devices = int(np.prod(mesh_shape))
+    out: dict[str, float] = collections.defaultdict(float)
+    for comp, instructions in computations.items():
+        times = runs.get(comp, 0)
+        for _, shape, op, rest in instructions if times else ():
+            base = op.removesuffix("-start")
+            if base not in ("all-reduce", "reduce-scatter") or op.endswith("-done"):
+                continue
+            size = sum(_bytes(shape))
+            if base == "reduce-scatter":
+                size *= _group_size(rest)
+            group = _first_group(rest, devices)
+            if group is None or max(group, default=0) >= devices:
+                key = "?"
+            else:
+                coords = np.array(np.unravel_index(group, mesh_shape))
+                spans = [n for n, c in zip(axis_names, coords, strict=True) if len(set(c)) > 1]
+                key = "+".join(spans) or "none"
+            out[key] += times * size
+    return dict(out)
+
+
 def _parse(text: str) -> tuple[str | None, dict[str, list[tuple[str, str, str, str]]]]:
     """(entry computation, {computation: [(name, shape, op, rest)]})."""
     computations: dict[str, list[tuple[str, str, str, str]]] = {}
