@@ -396,7 +396,11 @@ plan_before_create() {
     return 0
   fi
   local report status=0
-  report=$(plan_command --json) || status=$?
+  local -a flags=(--json)
+  if ((FORCE)); then
+    flags+=(--nooptions) # created anyway: no compiles of what would fit
+  fi
+  report=$(plan_command "${flags[@]}") || status=$?
   if ((status == 0)); then
     log "plan: $(plan_figures <<<"$report")"
     return 0

@@ -33,14 +33,16 @@ SSH_ALL = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", NAME, f"--zone={ZONE}",
 LOCKFILE_REMOVAL = "sudo rm -f /tmp/libtpu_lockfile"
 
 
-def launch(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def launch(
+    *args: str, env: dict[str, str] | None = None, timeout: int = 60
+) -> subprocess.CompletedProcess:
     """Runs tpu_pod.sh with `args`; returns the finished process (stdout/stderr as text)."""
     return subprocess.run(
         ["bash", str(SCRIPT), *args],
         capture_output=True,
         text=True,
         env=env if env is not None else os.environ.copy(),
-        timeout=60,
+        timeout=timeout,
     )
 
 
@@ -576,11 +578,12 @@ def test_shellcheck_passes():
 # --------------------------------------------------------------------------------------------
 # The plan before a slice is created (#59)
 
-# Tiny at 16k sequences of 512 tokens without remat: the TPU compiler refuses it on v2-8 at once.
+# Tiny at 16k sequences of 512 tokens: the TPU compiler refuses it on v2-8 at once, even with
+# every activation recomputed; 2 microbatches fit.
 TOO_BIG = [
     "--type=v2-8", "--config=configs/pretrain.py:size=tiny", "--config.batch_size=16384",
     "--config.seq_len=512", "--config.model.max_position_embeddings=512",
-    "--config.model.remat_policy=none",
+    "--config.model.remat_policy=full",
 ]  # fmt: skip
 
 
@@ -615,12 +618,15 @@ def test_create_refuses_a_slice_the_config_does_not_fit(tmp_path):
     stand_in.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": sys.executable,
            "JAX_PLATFORMS": "cpu"}  # fmt: skip
-    refused = launch("create", *COMMON, *TOO_BIG, env=env)
+    refused = launch("create", *COMMON, *TOO_BIG, env=env, timeout=300)  # the options compile
     assert refused.returncode == 1, refused.stderr
     last = refused.stderr.strip().splitlines()[-1]
     assert last.startswith("tpu_pod.sh: error: configs/pretrain.py:size=tiny does not fit v2-8 x1: "
                            "the TPU compiler refused it (RESOURCE_EXHAUSTED"), last  # fmt: skip
     assert "pass --force to create it anyway" in last
+    # #67: what would fit, each compiled, cheapest first; then a larger slice.
+    assert "what would fit, cheapest first: (1) --config.microbatches=2 (" in last, last
+    assert "(2) a larger slice (v2-32) or --num_slices=2" in last, last
     assert not calls.exists()  # nothing was created
     forced = launch("create", *COMMON, *TOO_BIG, "--force", env=env)
     assert forced.returncode == 0, forced.stderr
