@@ -92,8 +92,6 @@ def plan_groups(
             alone[i] = "--sweep.group=none"
         elif int(config.get("num_seeds", 1)) > 1:
             alone[i] = "num_seeds > 1: its seeds are one program already"
-        elif int(config.get("mesh", {}).get("slices", 0) or 0) > 1:
-            alone[i] = "mesh.slices > 1: the per-replica forward is not vmapped over runs"
         else:
             buckets.setdefault(shape_key(config), []).append(i)
     groups = [members for members in buckets.values() if len(members) > 1]
