@@ -12,9 +12,20 @@ research baseline; outputs change). Both print and write (`DST/unshare_report.js
 `DST/reshare_report.json`) how far the new model's outputs are from the source's (see
 `albert_jax.interop.unshare`).
 
+`--to=hf` of a fine-tuning workdir (or step dir) writes the head the run trained as its HF
+transformers class (`albert_jax.interop.hf_task_export`): `AlbertForSequenceClassification`
+(classification and regression, with `id2label`, `label2id`, `problem_type`),
+`AlbertForQuestionAnswering` (SQuAD v1 spans) or `AlbertForMultipleChoice`, with
+`spiece.model` and the tokenizer config, ready for `transformers.pipeline` and the Auto classes.
+A run of several seeds exports `--run_seed=S`, else its best seed by the task's headline metric
+(printed). A SQuAD v2 head has no HF class and is refused, naming the heads that export;
+`--hf_class` names the class expected, and a task class asked of a source without a task head
+(a pretraining run, model, HF or TF1 dir: those export as `AlbertForPreTraining`) is refused.
+
 A `--dst` that is `--src` or inside it, or that holds a training run (`checkpoints/`,
 `metrics.jsonl`), is refused before anything is read unless `--overwrite` is given: the outputs
-(`config.json` among them) would replace its files.
+(`config.json` among them) would replace its files. So is a `--to=hf` export dir that already
+holds anything: files of another model beside the new ones would make a mixed HF dir.
 
 Every path may be local or `gs://`. The work is done by the modules below this one, which
 import each other one way only (weight_names <- hf_checkpoint, tf1_checkpoint <- pretrained <-
@@ -25,6 +36,7 @@ convert):
   tf1_checkpoint   official TF1 checkpoints -> params
   pretrained       `load_pretrained` (any layout) and `save_model_dir`
   unshare          `unshare` / `reshare` of the encoder's layers (pretrained <- unshare)
+  hf_task_export   fine-tuning runs -> HF task models (pretrained <- hf_task_export)
 
 Import their functions from them: this module is the CLI only. Missing or mis-shaped tensors
 raise one `ValueError` listing all of them; extra tensors are logged (warning, logger
@@ -36,6 +48,12 @@ from __future__ import annotations
 
 from albert_jax import files
 from albert_jax.interop.hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from albert_jax.interop.hf_task_export import (
+    HF_CLASSES,
+    PRETRAINING_CLASS,
+    export_hf_task_model,
+    fine_tuning_run,
+)
 from albert_jax.interop.unshare import convert_sharing
 from albert_jax.interop.weight_names import flatten_params, missing_parts
 from albert_jax.pretrained import (
@@ -64,8 +82,22 @@ def _define_flags() -> None:
         "to",
         None,
         ["hf"],
-        "Export an albert_jax checkpoint (model dir, workdir or step dir) to an HF "
-        "AlbertForPreTraining dir (config.json + model.safetensors).",
+        "Export an albert_jax checkpoint (model dir, workdir or step dir) to an HF dir "
+        "(config.json + model.safetensors + tokenizer files): a fine-tuning run as the HF task "
+        "class of its head, anything else as AlbertForPreTraining.",
+    )
+    flags.DEFINE_integer(
+        "run_seed",
+        None,
+        "--to=hf of a fine-tuning run of several seeds (config.num_seeds): the seed to export "
+        "(default: the best by the task's headline metric in its eval_results.json).",
+    )
+    flags.DEFINE_enum(
+        "hf_class",
+        None,
+        [PRETRAINING_CLASS, *sorted(set(HF_CLASSES.values()))],
+        "--to=hf: the HF class expected (default: the source's own); an error when the source "
+        "does not export as it.",
     )
     flags.DEFINE_bool(
         "unshare",
@@ -110,9 +142,10 @@ def _define_flags() -> None:
 _RUN_MARKERS = ("checkpoints", "metrics.jsonl")
 
 
-def check_destination(src: str, dst: str, overwrite: bool) -> None:
+def check_destination(src: str, dst: str, overwrite: bool, *, export: bool = False) -> None:
     """Refuses (ValueError) a `dst` that is `src` or inside it, or that holds a training run,
-    unless `overwrite`: conversion outputs (`config.json`, weights) would replace its files."""
+    or (`export`: an HF export dir) that holds anything, unless `overwrite`: conversion outputs
+    (`config.json`, weights) would replace its files or mix with them."""
     if overwrite:
         return
     source, target = files.absolute(src).rstrip("/"), files.absolute(dst).rstrip("/")
@@ -127,6 +160,16 @@ def check_destination(src: str, dst: str, overwrite: bool) -> None:
             f"--dst={dst} holds a training run ({', '.join(held)}): the conversion would write "
             "over its files (config.json among them); choose another --dst (or pass --overwrite)"
         )
+    target_path = files.as_path(target)
+    if export and target_path.is_dir():
+        held = sorted(p.name for p in target_path.iterdir())
+        if held:
+            shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+            raise ValueError(
+                f"--dst={dst} already holds {shown}: an HF export dir must be new or empty, or "
+                "the model files would mix with those; choose another --dst (or pass "
+                "--overwrite)"
+            )
 
 
 def main(argv: list[str]) -> None:
@@ -140,7 +183,7 @@ def main(argv: list[str]) -> None:
     if sum(d is not None for d in given) != 1:
         raise app.UsageError("give exactly one of --from=hf|tf, --to=hf, --unshare or --reshare")
     src, dst, tokenizer = FLAGS.src, FLAGS.dst, FLAGS.tokenizer
-    check_destination(src, dst, FLAGS.overwrite)
+    check_destination(src, dst, FLAGS.overwrite, export=direction_to == "hf")
     if FLAGS.unshare or FLAGS.reshare:
         direction = "unshare" if FLAGS.unshare else "reshare"
         report = convert_sharing(src, dst, direction)
@@ -157,7 +200,26 @@ def main(argv: list[str]) -> None:
         print(f"wrote albert_jax model dir to {dst}")
         return
     if direction_to == "hf":
-        loaded = load_pretrained(src)
+        run = fine_tuning_run(src)
+        if run is not None:
+            written = export_hf_task_model(
+                run, dst, run_seed=FLAGS.run_seed, hf_class=FLAGS.hf_class,
+                tokenizer_path=tokenizer,
+            )  # fmt: skip
+            seed = written["run_seed"]
+            which = "" if seed is None else f", seed {seed} ({written['seed_choice']})"
+            print(
+                f"wrote HF {written['hf_class']} of task {written['task']!r} (step "
+                f"{written['step']}{which}) to {dst}"
+            )
+            return
+        if FLAGS.hf_class not in (None, PRETRAINING_CLASS):
+            raise ValueError(
+                f"--hf_class={FLAGS.hf_class}: {src} holds no fine-tuned task head (a "
+                f"pretraining checkpoint), so it exports as {PRETRAINING_CLASS} only; fine-tune "
+                "it and export the fine-tuning workdir"
+            )
+        loaded = load_pretrained(src, run_seed=FLAGS.run_seed)
         save_hf_checkpoint(
             loaded.variables, loaded.config, dst, tokenizer_path=tokenizer or loaded.tokenizer_path
         )

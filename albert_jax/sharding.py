@@ -155,7 +155,7 @@ def slice_groups(mesh: Mesh, slices: int = 0) -> int:
     return max(int(slices), slice_count(list(mesh.devices.flat)))
 
 
-REDUCTION_DTYPES = ("float32", "bfloat16")  # config.gradient_reduction_dtype
+REDUCTION_DTYPES = ("float32", "bfloat16")  # config.mesh.gradient_reduction_dtype
 
 
 def forward_per_replica(
@@ -219,8 +219,7 @@ def _enter(param: jax.Array, dtype: Any, rounded: Any = None) -> jax.Array:
     gradient, summed over the replica's uses, leaves as one sum over (data, fsdp) in `dtype`
     (`rounded`: each partial sum rounded to that dtype first)."""
 
-    @jax.custom_vjp
-    def enter(x):
+    def vary(x):
         return jax.lax.pcast(x, ("data", "fsdp"), to="varying")
 
     def reduce(_, g):
@@ -228,7 +227,8 @@ def _enter(param: jax.Array, dtype: Any, rounded: Any = None) -> jax.Array:
         g = jax.lax.psum(g, ("data", "fsdp"))
         return (g.astype(param.dtype),)
 
-    enter.defvjp(lambda x: (enter(x), None), reduce)
+    enter = jax.custom_vjp(vary)
+    enter.defvjp(lambda x: (vary(x), None), reduce)
     return enter(param)
 
 

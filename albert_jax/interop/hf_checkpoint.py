@@ -26,6 +26,7 @@ import numpy as np
 
 from albert_jax import files
 from albert_jax.interop.weight_names import (
+    Entry,
     check_projection,
     check_shared,
     flatten_params,
@@ -104,9 +105,14 @@ def hf_state_dict_to_params(state_dict: Mapping[str, Any], config: ModelConfig) 
 
 
 def params_to_hf_state_dict(
-    params: Mapping[str, Any], config: ModelConfig, *, tied_duplicates: bool = False
+    params: Mapping[str, Any],
+    config: ModelConfig,
+    *,
+    tied_duplicates: bool = False,
+    entries: list[Entry] | None = None,
 ) -> dict[str, np.ndarray]:
-    """`{"params": ...}` -> HF `AlbertForPreTraining` state dict of numpy arrays.
+    """`{"params": ...}` -> HF `AlbertForPreTraining` state dict of numpy arrays (or, with
+    `entries` = `weight_names.task_layout(...)`, the state dict of that HF task model).
 
     HF always has the E->H projection: a config without one (official E == H) gets an identity
     kernel and zero bias, which computes the same function. `tied_duplicates=True` also emits
@@ -115,7 +121,7 @@ def params_to_hf_state_dict(
     """
     check_shared(config, "params_to_hf_state_dict")
     flat = {k: to_numpy(v) for k, v in flatten_params(params).items()}
-    entries = layout(config)
+    entries = layout(config) if entries is None else entries
     missing, mismatched = [], []
     out: dict[str, np.ndarray] = {}
     for e in entries:
@@ -139,7 +145,8 @@ def params_to_hf_state_dict(
         out["albert.encoder.embedding_hidden_mapping_in.bias"] = np.zeros(H, dtype=dtype)
     if tied_duplicates:
         for alias, canonical in HF_ALIASES.items():
-            out[alias] = out[canonical]
+            if canonical in out:  # task layouts have no MLM decoder to tie
+                out[alias] = out[canonical]
     return out
 
 

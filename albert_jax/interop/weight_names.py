@@ -39,9 +39,11 @@ from albert_jax.model.config import ModelConfig
 
 __all__ = [
     "OPTIONAL_PARTS",
+    "HF_TASK_HEADS",
     "Entry",
     "Stored",
     "layout",
+    "task_layout",
     "check_shared",
     "check_projection",
     "import_tensors",
@@ -208,6 +210,35 @@ def layout(config: ModelConfig) -> list[Entry]:
                 "cls/seq_relationship/output_bias", part="sop_classifier"),
     ]  # fmt: skip
     return entries
+
+
+#: The HF transformers task classes a fine-tuning head exports to: {class: (our head sub-tree,
+#: its HF module, its official TF1 scope)}. The official fine-tuning scripts name the classifier
+#: `output_weights` / `output_bias` (classifier_utils.py, race_utils.py) and the SQuAD v1 span
+#: layer `cls/squad/output_*` (squad_utils.py), all stored [out, in].
+HF_TASK_HEADS: dict[str, tuple[str, str, str]] = {
+    "AlbertForSequenceClassification": ("classifier", "classifier", ""),
+    "AlbertForMultipleChoice": ("classifier", "classifier", ""),
+    "AlbertForQuestionAnswering": ("qa_outputs", "qa_outputs", "cls/squad/"),
+}
+
+
+def task_layout(config: ModelConfig, hf_class: str, num_outputs: int) -> list[Entry]:
+    """Every parameter of the HF task model `hf_class` (a key of `HF_TASK_HEADS`) with its
+    HF / TF1 names: the backbone of `layout` without the MLM and SOP heads, and without the
+    pooler for `AlbertForQuestionAnswering` (HF builds that one without it), then the head, a
+    dense kernel ours [H, num_outputs] (HF weight [num_outputs, H]) and bias [num_outputs]:
+    num_labels for sequence classification (1: regression), 1 for multiple choice (a score
+    per option), 2 for spans (start, end)."""
+    ours, hf, tf = HF_TASK_HEADS[hf_class]
+    keep = ("",) if hf_class == "AlbertForQuestionAnswering" else ("", "albert/pooler")
+    entries = [e for e in layout(config) if e.part in keep]
+    H = config.hidden_size
+    return entries + [
+        _kernel(f"{ours}/kernel", (H,), (num_outputs,), f"{hf}.weight", f"{tf}output_weights",
+                tf_transposed=True),
+        _vector(f"{ours}/bias", (num_outputs,), f"{hf}.bias", f"{tf}output_bias"),
+    ]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ tree helpers
