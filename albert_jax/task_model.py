@@ -55,9 +55,16 @@ class TaskModel:
 
     def lay_on(self, mesh: Mesh) -> None:
         """The forward pass runs once per batch shard (one gradient reduction per weight:
-        `sharding.forward_per_replica`)."""
+        `sharding.forward_per_replica`), except on packed batches: their `cls_index` [B]
+        points into the rows of the whole batch, which one shard does not hold, so those
+        keep the automatic program (each use of a weight reduced on its own)."""
         dtype = self.config.get("mesh", {}).get("gradient_reduction_dtype", "float32")
-        self._forward = forward_per_replica(self._forward, mesh, dtype)
+        whole, per_shard = self._forward, forward_per_replica(self._forward, mesh, dtype)
+
+        def forward(params: PyTree, batch: Mapping[str, jax.Array], rng: jax.Array):
+            return (whole if "cls_index" in batch else per_shard)(params, batch, rng)
+
+        self._forward = forward
 
     def eval_fn(self, params: PyTree, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         """The kind's outputs [B, ...]; N seeds: [B, N, ...] (rows stay the sharded axis)."""
