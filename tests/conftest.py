@@ -79,6 +79,17 @@ def main_command(
     return argv, {**os.environ, **xla, **env}
 
 
+def run_convert(*args: str):
+    """`python -m albert_jax.convert ARGS` on the CPU, finished (a CompletedProcess, text)."""
+    import subprocess
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, "-m", "albert_jax.convert", *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
 def run_main(config, config_arg: str, workdir, devices: int = 1, optimize: bool = False) -> None:
     """`main_command` with a flag for each field where `config` differs from CONFIG_ARG's (e.g.
     "configs/finetune.py:task=sentiment_rt,init=DIR"), run to its end: a run is ~1.8x faster

@@ -18,7 +18,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, build_once, session_dir
+from conftest import REPO, build_once, run_convert, session_dir
 from test_finetune import task_files, tiny_scratch_config, tiny_tokenizer_path
 
 from albert_jax import finetune
@@ -147,14 +147,6 @@ def torch_inputs(features: dict, rows=slice(None)) -> dict:
     }
 
 
-def run_convert(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run(
-        [sys.executable, "-m", "albert_jax.convert", *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-
-
 def read_jsonl(path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f]
@@ -273,16 +265,23 @@ def test_regression_exports_with_problem_type_regression(sentiment_score, shared
     np.testing.assert_allclose([a["score"] for a in answers], mine[:, 0], atol=TOLERANCE)
 
 
+def exported(workdir, config, tmp_path, hf_class: str):
+    """The run exported to tmp_path/hf as `hf_class` (asserted), loaded by its Auto class, and
+    the task's eval file featurized (`.arrays`: {name: [N, ...]})."""
+    written = export_hf_task_model(fine_tuning_run(workdir), str(tmp_path / "hf"))
+    assert written["hf_class"] == hf_class
+    model = load_hf(hf_class.replace("Albert", "AutoModel"), str(tmp_path / "hf"))
+    checkpoint = read_checkpoint(workdir)
+    [eval_set] = registry.read_eval(config.task, config.data)
+    features = registry.featurize(config.task, eval_set.examples, checkpoint.tokenizer, config)
+    return model, features
+
+
 def test_multiple_choice_exports_to_multiple_choice(cosmos, tmp_path):
     import torch
 
     workdir, config = cosmos
-    written = export_hf_task_model(fine_tuning_run(workdir), str(tmp_path / "hf"))
-    assert written["hf_class"] == "AlbertForMultipleChoice"
-    model = load_hf("AutoModelForMultipleChoice", str(tmp_path / "hf"))
-    checkpoint = read_checkpoint(workdir)
-    [eval_set] = registry.read_eval(config.task, config.data)
-    features = registry.featurize(config.task, eval_set.examples, checkpoint.tokenizer, config)
+    model, features = exported(workdir, config, tmp_path, "AlbertForMultipleChoice")
     arrays = features.arrays
     mine = ours(workdir, config, arrays)["logits"]  # [N, 4], padding options -1e30
     # HF has no option mask: each question goes in with its real options only.
@@ -306,12 +305,7 @@ def test_span_head_exports_to_question_answering(squad, tmp_path):
     import torch
 
     workdir, config = squad
-    written = export_hf_task_model(fine_tuning_run(workdir), str(tmp_path / "hf"))
-    assert written["hf_class"] == "AlbertForQuestionAnswering"
-    model = load_hf("AutoModelForQuestionAnswering", str(tmp_path / "hf"))
-    checkpoint = read_checkpoint(workdir)
-    [eval_set] = registry.read_eval(config.task, config.data)
-    features = registry.featurize(config.task, eval_set.examples, checkpoint.tokenizer, config)
+    model, features = exported(workdir, config, tmp_path, "AlbertForQuestionAnswering")
     arrays = features.arrays
     mine = ours(workdir, config, arrays)
     with torch.no_grad():

@@ -8,13 +8,12 @@ checkpoints are real Orbax model dirs and training workdirs.
 
 import json
 import os
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
 import numpy as np
 import pytest
+from conftest import run_convert
 from test_train import SMALL_MODEL, losses_by_step, make_config, small_overrides
 
 from albert_jax import train
@@ -66,14 +65,6 @@ def jit_outputs(params, config, batch):
         batch["masked_lm_positions"],
     )  # fmt: skip
     return {k: np.asarray(out[k]) for k in ("mlm_logits", "sop_logits", "sequence_output")}
-
-
-def run_convert(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run(
-        [sys.executable, "-m", "albert_jax.convert", *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ in memory
