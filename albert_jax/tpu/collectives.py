@@ -72,6 +72,15 @@ def _group_size(rest: str) -> int:
     return 1
 
 
+def _iota(dims: str, perm: str | None) -> Any:
+    """XLA's iota device list `[dims]T(perm)`: arange over `dims`, transposed by `perm`."""
+    import numpy as np
+
+    shape = [int(d) for d in dims.split(",")]
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+
+
 def _first_group(rest: str, devices: int) -> list[int] | None:
     """The device ids of a collective's first replica group, in any of XLA's three forms
     (explicit lists, iota `[G,S]<=[dims]T(perm)`, `mesh[...] {axes}`); None when unreadable."""
@@ -82,10 +91,7 @@ def _first_group(rest: str, devices: int) -> list[int] | None:
         return [int(i) for i in explicit.group(1).split(",") if i]
     iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
     if iota:
-        dims = [int(d) for d in iota.group(3).split(",")]
-        ids = np.arange(int(np.prod(dims))).reshape(dims)
-        if iota.group(4):
-            ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
+        ids = _iota(iota.group(3), iota.group(4))
         return ids.reshape(int(iota.group(1)), int(iota.group(2)))[0].tolist()
     mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*(\{[^}]*\})?", rest)
     if mesh:
@@ -93,11 +99,7 @@ def _first_group(rest: str, devices: int) -> list[int] | None:
         ids = np.arange(int(np.prod([n for _, n in sizes]))).reshape([n for _, n in sizes])
         order = re.search(r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)", rest)
         if order:
-            dims = [int(d) for d in order.group(1).split(",")]
-            flat = np.arange(int(np.prod(dims))).reshape(dims)
-            if order.group(2):
-                flat = flat.transpose([int(p) for p in order.group(2).split(",")])
-            ids = flat.reshape(-1)[ids]
+            ids = _iota(order.group(1), order.group(2)).reshape(-1)[ids]
         grouped = set(re.findall(r"'(\w+)'", mesh.group(2) or ""))
         index = tuple(slice(None) if a in grouped else 0 for a, _ in sizes)
         return ids[index].reshape(-1).tolist()
