@@ -363,6 +363,12 @@ def _define_flags() -> None:
     flags.DEFINE_bool("json", False, "Print one JSON object.")
     flags.DEFINE_bool("max_batch", False, "Find the largest global batch that fits, per remat.")
     flags.DEFINE_list("remat", list(REMAT_ORDER), "Remat policies --max_batch tries.")
+    flags.DEFINE_list(
+        "microbatches",
+        [],
+        "Gradient accumulation passes --max_batch tries with each remat, e.g. 1,2,4 "
+        "(pretraining; default: the config's config.microbatches).",
+    )
     flags.DEFINE_bool(
         "options",
         True,
@@ -437,14 +443,16 @@ def _run(argv: list[str]) -> int:
         raise ValueError("--config and --tpu are required, e.g. --tpu=v4-32")
     target = make_target(FLAGS.tpu, FLAGS.num_slices)
     if FLAGS.max_batch:
-        counts = [int(m) for m in FLAGS.microbatches]
-        if "task" in FLAGS.config and counts != [1]:
+        config = FLAGS.config
+        if "task" in config and FLAGS.microbatches:
             raise ValueError("--microbatches: fine-tuning has no gradient accumulation")
-        rows = [
-            {**max_batch(with_fields(FLAGS.config, microbatches=m) if m > 1 else FLAGS.config,
-                         target, r), "microbatches": m}
-            for r in FLAGS.remat for m in counts
-        ]  # fmt: skip
+        counts = [int(m) for m in FLAGS.microbatches] or [int(config.get("microbatches", 1))]
+        if "task" not in config:
+            configs = {m: with_fields(config, microbatches=m) for m in counts}
+        else:
+            configs = {1: config}
+        rows = [{**max_batch(configs[m], target, r), "microbatches": m}
+                for r in FLAGS.remat for m in configs]  # fmt: skip
         out: dict[str, Any] = {"tpu": FLAGS.tpu, "num_slices": FLAGS.num_slices,
                                "max_batch": rows}  # fmt: skip
         fits = any(r["max_batch"] for r in rows)

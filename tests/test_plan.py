@@ -110,6 +110,9 @@ def test_bad_tpu_name_lists_the_valid_forms():
         (["--config=configs/pretrain.py:size=tiny", "--tpu=v4-8",
           "--config.batch_size=1000000000000"],
          "error: config.batch_size=1000000000000 x config.seq_len=32 is "),
+        (["--config=configs/finetune.py:task=rte,init=", "--tpu=v4-8", "--max_batch",
+          "--microbatches=1,2"],
+         "error: --microbatches: fine-tuning has no gradient accumulation"),
     ],
 )  # fmt: skip
 def test_usage_errors_exit_2_before_the_compiler(flags, message):
