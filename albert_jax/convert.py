@@ -166,7 +166,7 @@ def check_destination(src: str, dst: str, overwrite: bool, *, export: bool = Fal
         if held:
             shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
             raise ValueError(
-                f"--dst={dst} already holds {shown}: an HF export dir must be new or empty, or "
+                f"--dst={dst} already holds {shown}: an export dir must be new or empty, or "
                 "the model files would mix with those; choose another --dst (or pass "
                 "--overwrite)"
             )

@@ -371,7 +371,7 @@ def test_bad_exports_are_one_line_errors(sentiment, tmp_path_factory, shared_dat
         ),
         "occupied": (
             [f"--src={workdir}", f"--dst={occupied}"],
-            f"--dst={occupied} already holds notes.txt: an HF export dir must be new or empty",
+            f"--dst={occupied} already holds notes.txt: an export dir must be new or empty",
         ),
     }  # fmt: skip
     procs = {

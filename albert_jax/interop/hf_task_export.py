@@ -48,6 +48,8 @@ __all__ = [
     "FineTunedRun",
     "fine_tuning_run",
     "export_hf_task_model",
+    "label_names",
+    "pick_seed",
 ]
 
 log = logging.getLogger("albert_jax.convert")
@@ -97,6 +99,7 @@ class FineTunedRun:
     seeds: list[int]
     max_seq_length: int | None
     classifier_dropout: float | None
+    config: dict[str, Any]  # the run's config as its meta recorded it (featurization settings)
 
     @property
     def hf_class(self) -> str | None:
@@ -131,6 +134,7 @@ def fine_tuning_run(path: str) -> FineTunedRun | None:
         seeds=seeds_of(config.get("seed", 0), config.get("num_seeds", 1)),
         max_seq_length=config.get("max_seq_length"),
         classifier_dropout=config.get("classifier_dropout"),
+        config=config,
     )
 
 
@@ -189,8 +193,9 @@ def _restarted(run: FineTunedRun) -> FineTunedRun | None:
     return fine_tuning_run(str(where))
 
 
-def _pick_seed(run: FineTunedRun, run_seed: int | None) -> tuple[FineTunedRun, int | None, str]:
-    """(the run holding the seed, the seed to read or None for a one-seed run, why)."""
+def pick_seed(run: FineTunedRun, run_seed: int | None) -> tuple[FineTunedRun, int | None, str]:
+    """(the run holding the seed, the seed to read or None for a one-seed run, why): `run_seed`,
+    else the run's only seed, else its best (`best_seed`)."""
     if run_seed is None and len(run.seeds) == 1:
         return run, None, ""
     why = "--run_seed"
@@ -205,6 +210,17 @@ def _pick_seed(run: FineTunedRun, run_seed: int | None) -> tuple[FineTunedRun, i
 
 
 # ---------------------------------------------------------------------------------- export
+def label_names(run: FineTunedRun) -> tuple[str, ...]:
+    """The names of the run's outputs in index order: the task's class names, ("score",) for
+    regression, HF's LABEL_<i> for tasks without names."""
+    if run.kind == "regression":
+        return ("score",)
+    names = _LABEL_NAMES.get(run.task, ())
+    if len(names) != run.num_labels:
+        names = tuple(f"LABEL_{i}" for i in range(run.num_labels))
+    return names
+
+
 def _hf_task_config(run: FineTunedRun, config: Any, hf_class: str, seed: int | None) -> dict:
     """HF config.json of the task model: the pretraining export's fields with the class, the
     head's settings and where it came from."""
@@ -214,12 +230,7 @@ def _hf_task_config(run: FineTunedRun, config: Any, hf_class: str, seed: int | N
         out["classifier_dropout_prob"] = float(run.classifier_dropout)
     out["finetuning_task"] = run.task
     if hf_class == "AlbertForSequenceClassification":
-        if run.kind == "regression":
-            names: tuple[str, ...] = ("score",)
-        else:
-            names = _LABEL_NAMES.get(run.task, ())
-            if len(names) != run.num_labels:
-                names = tuple(f"LABEL_{i}" for i in range(run.num_labels))
+        names = label_names(run)
         out["id2label"] = {str(i): name for i, name in enumerate(names)}
         out["label2id"] = {name: i for i, name in enumerate(names)}
         # "regression": HF's loss is MSE and the pipeline returns the raw score (no sigmoid).
@@ -321,7 +332,7 @@ def export_hf_task_model(
             f"--hf_class={hf_class}: {run.path} fine-tuned a {run.kind} head (task "
             f"{run.task!r}), which exports as {run.hf_class} only"
         )
-    holder, seed, why = _pick_seed(run, run_seed)
+    holder, seed, why = pick_seed(run, run_seed)
     checkpoint = read_checkpoint(holder.path, run_seed=seed)
     config, cls = checkpoint.config, run.hf_class
     entries = task_layout(config, cls, _head_width(run, cls))
