@@ -41,6 +41,7 @@ short last batch to the next power of two), bounding the shapes compiled.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -94,7 +95,8 @@ class Served:
 
     @property
     def fields(self) -> dict[str, str]:
-        """{role: the record's field name} (roles: `_KINDS[kind].roles`)."""
+        """{role: the record's field name}: text_a, text_b (classification, regression);
+        context, question, options (multiple choice); question, context (spans); text."""
         return self.manifest["fields"]
 
     @property
@@ -201,25 +203,24 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
 
 
 # -------------------------------------------------------------------------------- kinds
-class _Kind:
-    """Records -> examples -> features, and outputs -> one dict per example, of one kind."""
+class _Kind(abc.ABC):
+    """Records -> examples -> features, and outputs -> one dict per example, of one kind
+    (`manifest` carries the fields and settings)."""
 
-    roles: tuple[str, ...]  # the record's fields, by role; `optional` ones may be absent
-    optional: tuple[str, ...] = ()
+    @abc.abstractmethod
+    def example(self, record: Mapping[str, Any], example_id: str, fields: dict, manifest: dict):
+        """The record's example; BadRecordError naming a field it lacks."""
 
-    def example(self, record, example_id, fields, manifest):  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def featurize(self, examples: Sequence[Any], tokenizer: Tokenizer, manifest: dict) -> Features:
+        """Examples -> the featurizer's arrays ([N, ..., S] int32)."""
 
-    def featurize(self, examples, tokenizer, manifest) -> Features:  # pragma: no cover
-        raise NotImplementedError
-
+    @abc.abstractmethod
     def records(self, examples, features, outputs, manifest) -> list[dict[str, Any]]:
-        raise NotImplementedError  # pragma: no cover
+        """One {"id", ...} per example, from the outputs over the features' rows."""
 
 
 class _Classification(_Kind):
-    roles = ("text_a", "text_b")
-    optional = ("text_b",)
     regression = False
 
     def example(self, record, example_id, fields, manifest):
@@ -259,8 +260,6 @@ class _Regression(_Classification):
 
 
 class _MultipleChoice(_Kind):
-    roles = ("context", "question", "options")
-
     def example(self, record, example_id, fields, manifest):
         context = text_field(record, fields["context"])
         question = text_field(record, fields["question"])
@@ -294,7 +293,6 @@ class _MultipleChoice(_Kind):
 
 
 class _Span(_Kind):
-    roles = ("question", "context")
     version = 1
 
     def example(self, record, example_id, fields, manifest):
@@ -339,13 +337,14 @@ class _SpanV2(_Span):
     version = 2
 
 
-class _Encoder(_Kind):
+class _Encoder(_Classification):
     """A model without a task head: embeddings only (`Served.embed`)."""
-
-    roles = ("text",)
 
     def example(self, record, example_id, fields, manifest):
         return ClassificationExample(example_id, text_field(record, fields["text"]), None, 0)
+
+    def records(self, examples, features, outputs, manifest):
+        raise ValueError("an encoder has no predictions, only embeddings")
 
 
 _KINDS: dict[str, _Kind] = {

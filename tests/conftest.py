@@ -79,15 +79,21 @@ def main_command(
     return argv, {**os.environ, **xla, **env}
 
 
-def run_convert(*args: str):
-    """`python -m albert_jax.convert ARGS` on the CPU, finished (a CompletedProcess, text)."""
+def run_cli(module: str, *args: str, **env: str):
+    """`python -m albert_jax.MODULE ARGS` on the CPU (`env` added to the environment),
+    finished: a CompletedProcess with text output."""
     import subprocess
 
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     return subprocess.run(
-        [sys.executable, "-m", "albert_jax.convert", *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", f"albert_jax.{module}", *args],
+        cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu", **env}, capture_output=True,
+        text=True, timeout=300,
     )  # fmt: skip
+
+
+def run_convert(*args: str):
+    """`python -m albert_jax.convert ARGS` (`run_cli`)."""
+    return run_cli("convert", *args)
 
 
 def run_main(config, config_arg: str, workdir, devices: int = 1, optimize: bool = False) -> None:
