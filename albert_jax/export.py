@@ -35,6 +35,7 @@ from albert_jax.interop.hf_task_export import (
 )
 from albert_jax.interop.weight_names import unflatten_params
 from albert_jax.pretrained import read_checkpoint
+from albert_jax.tasks.batching import SMALLEST_BUCKET
 
 __all__ = ["PLATFORMS", "TASK_FIELDS", "export_artifact", "in_process"]
 
@@ -251,7 +252,10 @@ def export_artifact(
     directory.mkdir(parents=True, exist_ok=True)
     manifest = {**built.manifest, "platforms": list(platforms), "functions": {}}
     for name, function in built.functions.items():
-        scope = export.SymbolicScope([f"s <= {limit}"])
+        # Serving cuts rows to `batching`'s buckets, never under the smallest: a lower bound
+        # that lets beam heads take their top k of the s positions (k <= s).
+        shortest = min(SMALLEST_BUCKET, limit)
+        scope = export.SymbolicScope([f"s <= {limit}", f"s >= {shortest}"])
         weights = [jax.ShapeDtypeStruct(built.weights[k].shape, built.weights[k].dtype)
                    for k in function.weights]  # fmt: skip
         inputs = {

@@ -17,12 +17,29 @@ import numpy as np
 import pytest
 from conftest import REPO, run_cli
 from test_finetune import task_files
-from test_hf_export import cosmos, read_jsonl, sentiment, sentiment_score, squad  # noqa: F401
+from test_hf_export import (  # noqa: F401
+    _run,
+    cosmos,
+    read_jsonl,
+    sentiment,
+    sentiment_score,
+    squad,
+)
 
 from albert_jax import export, predict, serving
 from albert_jax.tasks import local
 
 CLOSE = 1e-5  # fp32: the artifact against the jitted model in process
+
+
+@pytest.fixture(scope="module")
+def squad_v2(tmp_path_factory, shared_data):
+    """A SQuAD v2 head (XLNet's beam), evaluated untrained: test_hf_export's run."""
+    return _run(
+        tmp_path_factory, shared_data, "squad_v2", "squad_v2", "squad_shifts",
+        num_train_steps=0, eval_batch_size=8, max_seq_length=64, doc_stride=32,
+        max_query_length=16, **{"data.max_train_examples": 8, "data.max_eval_examples": 4},
+    )  # fmt: skip
 
 
 def dev_records(shared_data: str, task: str) -> list[dict]:
@@ -84,6 +101,7 @@ def test_the_artifact_serves_what_the_model_does(sentiment, shared_data, tmp_pat
         ("sentiment_score", "sentiment_rt", (), ("score",)),
         ("cosmos", "mc_cosmosqa", ("choice",), ("probabilities",)),
         ("squad", "squad_shifts", ("answer",), ("probability",)),
+        ("squad_v2", "squad_shifts", ("answer", "best_span"), ("no_answer_probability",)),
     ],
 )
 def test_every_kind_serves_from_its_eval_file(run, task, exact, close, request, shared_data,
@@ -101,7 +119,8 @@ def test_every_kind_serves_from_its_eval_file(run, task, exact, close, request, 
     compare(mine, export.in_process(workdir).predict(records), exact, close)
     evaluated = {r["id"]: r for r in mine}
     if task == "squad_shifts":  # the run's own predictions.json
-        assert len(answers) == 24 and all(evaluated[q]["answer"] == a for q, a in answers.items())
+        assert len(answers) in (4, 24)
+        assert all(evaluated[q]["answer"] == a for q, a in answers.items())
         return
     for row in read_jsonl(os.path.join(workdir, "predictions.jsonl")):
         if row["id"] in evaluated:
