@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from albert_jax import line_reading
 from albert_jax.model.config import RUNTIME_FIELDS, ModelConfig
-from albert_jax.run_config import check_known_fields
+from albert_jax.run_config import check_known_fields, keys_of
 from albert_jax.tasks import registry
 from albert_jax.tasks.registry import TaskSpec
 
@@ -28,10 +28,6 @@ def reference_config(task: str) -> Any:
     return finetune.get_config(f"task={task if task in finetune.TASKS else finetune.TASKS[0]}")
 
 
-def _keys(node: Any) -> set[str]:
-    return set(node.keys()) if hasattr(node, "keys") else set()
-
-
 def validate_config(config: Any) -> TaskSpec:
     """Checks a fine-tuning config before anything is read or compiled.
 
@@ -41,7 +37,7 @@ def validate_config(config: Any) -> TaskSpec:
     spec = registry.get_task(config.task)
     check_known_fields(config, reference_config(config.task))
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(_keys(config.model) - model_fields)
+    unknown = sorted(set(keys_of(config.model)) - model_fields)
     if unknown:
         raise ValueError(
             f"config.model has unknown fields {unknown}; known: {sorted(model_fields)}"
@@ -53,7 +49,7 @@ def validate_config(config: Any) -> TaskSpec:
     if config.init:
         # num_hidden_layers: an all-shared model runs at any depth (checked against the
         # checkpoint's config in `model_config`, once it is read).
-        fixed = sorted(_keys(config.model) - set(RUNTIME_FIELDS) - {"num_hidden_layers"})
+        fixed = sorted(set(keys_of(config.model)) - set(RUNTIME_FIELDS) - {"num_hidden_layers"})
         if fixed:
             raise ValueError(
                 f"config.model.{fixed[0]} cannot change a pretrained model (init={config.init!r});"

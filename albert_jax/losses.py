@@ -62,7 +62,7 @@ def pick_label(values: Array, labels: Array) -> Array:
     return jnp.where(in_range, picked, jnp.nan)
 
 
-def _label_log_probs(logits: Array, labels: Array) -> Array:
+def label_log_probs(logits: Array, labels: Array) -> Array:
     """log p(label) for logits [..., C] and integer labels [...] -> float32 [...] (NaN for an
     out-of-range label, `pick_label`)."""
     return pick_label(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), labels)
@@ -90,7 +90,7 @@ def masked_lm_loss(logits: Array, label_ids: Array, weights: Array) -> Array:
       float32 scalar.
     """
     weights = weights.astype(jnp.float32)
-    nll = -_label_log_probs(logits, label_ids)
+    nll = -label_log_probs(logits, label_ids)
     # `where`, not a product: 0·NaN from an ignored padding slot would still be NaN.
     weighted = jnp.where(weights != 0, weights * nll, 0.0)
     return jnp.sum(weighted) / (jnp.sum(weights) + MLM_WEIGHT_EPS)
@@ -119,7 +119,7 @@ def sentence_order_loss(logits: Array, labels: Array) -> Array:
     Returns:
       float32 scalar.
     """
-    return -jnp.mean(_label_log_probs(logits, labels))
+    return -jnp.mean(label_log_probs(logits, labels))
 
 
 def sentence_order_accuracy(logits: Array, labels: Array) -> Array:
@@ -182,7 +182,7 @@ def pretraining_loss(
 def classification_loss(logits: Array, labels: Array, weights: Array | None = None) -> Array:
     """Mean cross-entropy; logits [B,C] (options or classes), labels [B] int, optional example
     weights [B] -> float32 scalar (NaN if a weighted label is outside [0, C))."""
-    return _weighted_mean(-_label_log_probs(logits, labels), weights)
+    return _weighted_mean(-label_log_probs(logits, labels), weights)
 
 
 def classification_accuracy(logits: Array, labels: Array, weights: Array | None = None) -> Array:
@@ -207,8 +207,8 @@ def span_loss(
 ) -> Array:
     """SQuAD v1: (CE(start) + CE(end)) / 2; logits [B,S], positions [B] int, optional example
     weights [B] -> float32 scalar (NaN if a weighted position is outside [0, S))."""
-    start = -_label_log_probs(start_logits, start_positions)
-    end = -_label_log_probs(end_logits, end_positions)
+    start = -label_log_probs(start_logits, start_positions)
+    end = -label_log_probs(end_logits, end_positions)
     return _weighted_mean((start + end) / 2.0, weights)
 
 

@@ -59,7 +59,7 @@ def make_eval_step(
             {"params": params}, *model_inputs(batch), return_sequence_output=False
         )
         weights = batch["masked_lm_weights"].astype(jnp.float32)  # [B, P]
-        mlm_nll = -_label_log_probs(outputs["mlm_logits"], batch["masked_lm_ids"])
+        mlm_nll = -losses.label_log_probs(outputs["mlm_logits"], batch["masked_lm_ids"])
         mlm_hit = jnp.argmax(outputs["mlm_logits"], axis=-1) == batch["masked_lm_ids"]
         example = batch["example_weight"].astype(jnp.float32)  # [B]
         sums = {
@@ -71,7 +71,7 @@ def make_eval_step(
         }
         if sentence_order:  # MLM only: no SOP sums, and so no SOP metric from nothing
             labels = batch["sentence_order_label"]
-            sop_nll = -_label_log_probs(outputs["sop_logits"], labels)
+            sop_nll = -losses.label_log_probs(outputs["sop_logits"], labels)
             sop_hit = jnp.argmax(outputs["sop_logits"], axis=-1) == labels
             sums["sop_loss"] = jnp.sum(jnp.where(example > 0, example * sop_nll, 0.0))
             sums["sop_correct"] = jnp.sum(jnp.where(sop_hit, example, 0.0))
@@ -89,12 +89,6 @@ def make_eval_step(
         return sums
 
     return eval_step
-
-
-def _label_log_probs(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """log p(label) in float32 for logits [..., C] and labels [...] → [...]; NaN for a label
-    outside [0, C) (`losses.pick_label`, the one label picker: never a clamped class)."""
-    return losses.pick_label(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), labels)
 
 
 def evaluate_batches(

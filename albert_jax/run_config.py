@@ -61,7 +61,7 @@ def check_known_fields(config: Any, reference: Any, skip: Sequence[str] = ("mode
 
 
 def _check_section(node: Any, reference: Any, where: str, skip: set[str]) -> None:
-    names, known = _keys(node), _keys(reference)
+    names, known = keys_of(node), keys_of(reference)
     unknown = sorted(set(names) - set(known))
     if unknown:
         raise ValueError(
@@ -74,7 +74,8 @@ def _check_section(node: Any, reference: Any, where: str, skip: set[str]) -> Non
             _check_section(node[name], reference[name], section, skip)
 
 
-def _keys(node: Any) -> list[str]:
+def keys_of(node: Any) -> list[str]:
+    """The field names of a config section (none of a leaf value)."""
     return list(node.keys()) if hasattr(node, "keys") else []
 
 

@@ -15,10 +15,9 @@ import jax
 from absl import logging
 
 from albert_jax import line_reading, optim
+from albert_jax.data.instances import OBJECTIVES
 from albert_jax.model.config import ModelConfig, model_config_from
 from albert_jax.run_config import check_known_fields, config_field, mesh_layout
-
-OBJECTIVES = ("sop", "nsp", "none")
 
 
 def reference_config() -> Any:

@@ -98,11 +98,13 @@ def test_bad_config_and_sizes_are_named():
 @pytest.mark.parametrize(
     "kind,dtype,peak",
     [
-        ("TPU v3", "bfloat16", 123e12),
+        ("TPU v3", "bfloat16", 123e12 / 2),  # a device is one of the chip's two cores
+        ("TPU v3", "float32", 123e12 / 2),
         ("TPU v4", "bfloat16", 275e12),
         ("TPU v5 lite", "bfloat16", 197e12),
         ("TPU v5", "bfloat16", 459e12),
         ("TPU v5p", "bfloat16", 459e12),
+        ("TPU v6 lite", "bfloat16", 918e12),
         ("NVIDIA A100-SXM4-80GB", "bfloat16", 312e12),
         ("NVIDIA H100 80GB HBM3", "bfloat16", 989e12),
         ("NVIDIA H100 PCIe", "bfloat16", 756e12),

@@ -171,19 +171,12 @@ def train_flops_per_step(
 # ----------------------------------------------------------------------------------------------
 # Peaks
 
-# Dense peak FLOP/s per device by `device_kind` (first matching substring wins, so specific
-# names come first). bf16: vendor data sheets (v6e from the Cloud TPU docs).
-# float32 on TPU: JAX's default matmul precision runs an f32 matmul as one bf16 pass, so the bf16
-# peak applies. float32 on GPU: the non-tensor-core FP32 figure (TF32 is a different mode).
-_PEAKS: tuple[tuple[str, float, float], ...] = (
-    ("tpu v6 lite", 918e12, 918e12),
-    ("tpu v6e", 918e12, 918e12),
-    ("tpu v5 lite", 197e12, 197e12),
-    ("tpu v5e", 197e12, 197e12),
-    ("tpu v5p", 459e12, 459e12),
-    ("tpu v5", 459e12, 459e12),  # v5p reports itself as "TPU v5"
-    ("tpu v4", 275e12, 275e12),
-    ("tpu v3", 123e12, 123e12),
+# Dense peak FLOP/s per GPU by `device_kind` (first matching substring wins, so specific names
+# come first): (bf16, float32), vendor data sheets; float32 is the non-tensor-core figure (TF32
+# is a different mode). TPUs' peaks are `tpu.slices.GENERATIONS`' (per chip, shared by the
+# devices of a chip); there float32 runs as one bf16 pass at JAX's default matmul precision,
+# so the bf16 peak applies.
+_GPU_PEAKS: tuple[tuple[str, float, float], ...] = (
     ("h200", 989e12, 67e12),
     ("h100 pcie", 756e12, 51e12),
     ("h100", 989e12, 67e12),
@@ -255,7 +248,12 @@ def device_peak_flops(device: Any = None, dtype: str = "bfloat16") -> float:
     kind_lower = kind.lower()
     if platform == "cpu" or kind_lower == "cpu":
         return measure_cpu_matmul_peak()
-    for key, bf16, fp32 in _PEAKS:
+    from albert_jax.tpu.slices import DEVICE_KINDS, GENERATIONS
+
+    if kind in DEVICE_KINDS:  # a v2 / v3 device is one of its chip's two cores
+        generation = GENERATIONS[DEVICE_KINDS[kind]]
+        return generation.peak_bf16_per_chip / generation.devices_per_chip
+    for key, bf16, fp32 in _GPU_PEAKS:
         if key in kind_lower:
             return bf16 if dtype == "bfloat16" else fp32
     raise ValueError(
