@@ -319,3 +319,33 @@ def test_a_refused_write_is_summed_up_with_the_os_reason(tmp_path):
     assert len(summary) <= 400 and " ... " in summary, summary
     assert summary.startswith('ValueError: OUT_OF_RANGE: Error opening "zarr" driver')
     assert summary.endswith("File too large [os_error_code='27']"), summary
+
+
+def test_importing_and_loading_leave_orbax_as_it_was(tmp_path):
+    """`from albert_jax import load_pretrained` and a load keep Orbax's process-wide array
+    handler (a user's own checkpoints still save replica-parallel); a training run's first
+    Checkpointer sets it."""
+    code = textwrap.dedent(
+        f"""
+        import jax, numpy as np, orbax.checkpoint as ocp
+        from albert_jax import load_pretrained
+        from albert_jax.checkpointing import Checkpointer
+        from albert_jax.model.albert import AlbertForPreTraining, init_params
+        from albert_jax.model.config import ModelConfig
+        from albert_jax.pretrained import save_model_dir
+        parallel = lambda: ocp.type_handlers.get_type_handler(jax.Array)._use_replica_parallel
+        config = ModelConfig.preset("tiny")
+        variables = init_params(AlbertForPreTraining(config), jax.random.key(0))
+        save_model_dir({str(tmp_path / "m")!r}, jax.tree.map(np.asarray, variables), config)
+        load_pretrained({str(tmp_path / "m")!r})
+        print(parallel())
+        Checkpointer({str(tmp_path / "run")!r})
+        print(parallel())
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "False"]
