@@ -161,10 +161,22 @@ LONG_FILES = (
 )  # fmt: skip
 
 
+# Files of a minute or more that need not run first: with LONG_FILES, what `-m "not slow"` leaves
+# out (each of their tests gets the `slow` marker).
+MINUTE_FILES = (
+    "test_hf_export.py", "test_serving.py", "test_ship_journey.py", "test_onnx_export.py",
+    "test_plan.py", "test_unshare.py",
+)  # fmt: skip
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """LONG_FILES first, in that order; the other files (and every file's tests) keep theirs."""
+    """LONG_FILES first, in that order; the other files (and every file's tests) keep theirs.
+    The tests of LONG_FILES and MINUTE_FILES are marked `slow`."""
     rank = {name: i for i, name in enumerate(LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    for item in items:
+        if item.path.name in LONG_FILES or item.path.name in MINUTE_FILES:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.hookimpl(trylast=True)
