@@ -1,4 +1,4 @@
-"""THE training loop: pretraining and fine-tuning both run `run(objective, ...)`.
+"""THE training loop: pretraining and fine-tuning both run `Loop(objective, ...).run()`.
 
 What the loop owns (one place each):
 - State and step (`train_state.py`): parameters and optimizer state created directly in their

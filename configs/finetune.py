@@ -59,7 +59,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         raise ValueError(f"config arg task={arg.task!r} is not one of {TASKS}")
     task = arg.task
     c = ml_collections.ConfigDict()
-    c.task = task  # what to fine-tune on (see albert_jax.finetune.TASKS)
+    c.task = task  # what to fine-tune on: one of TASKS (albert_jax.tasks.registry reads it)
     c.init = arg.init  # checkpoint (albert_jax / HF / TF1); "" = random init (baseline)
     # An init of several seeds (a run with num_seeds > 1): the seed of the run to start from.
     c.init_run_seed = ml_collections.FieldReference(None, field_type=int)
