@@ -163,10 +163,8 @@ class ShardedIterator:
         it is counted at `step`, which gives the same batches (the batch of a step is a pure
         function of the step).
 
-        `saved` may be a state of `get_state`'s format, or of the two formats this repo's
-        checkpoints held before it: `{"num_shards": n, "states": [state of shard 0, ...]}`
-        and, before data shards existed, `{"process_count": n, "states": [...]}` (one shard per
-        process). Both resume; anything else is counted.
+        `saved` is a state of `get_state`'s format; anything else (the list-of-states formats
+        early checkpoints held among them) is counted, which resumes on the same batches.
         """
         state = _as_state(saved)
         num_shards = _num_shards(
@@ -260,21 +258,11 @@ def merge_states(states: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def _as_state(saved: Any) -> dict[str, Any] | None:
-    """A checkpoint's data item as a `ShardedIterator` state (see `ShardedIterator.restore`
-    for the formats read), or None when it holds no shard states."""
-    if not isinstance(saved, Mapping):
-        return None
-    if saved.get("shards") and saved.get("num_shards"):
+    """A checkpoint's data item as a `ShardedIterator` state, or None when it holds none of
+    `get_state`'s format (the position is then counted: the same batches)."""
+    if isinstance(saved, Mapping) and saved.get("shards") and saved.get("num_shards"):
         return dict(saved)
-    states = saved.get("states")
-    num_shards = saved.get("num_shards", saved.get("process_count"))
-    if not states or not num_shards or not all(isinstance(s, Mapping) for s in states):
-        return None
-    return {
-        "step": states[0].get("step"),
-        "num_shards": int(num_shards),
-        "shards": {str(i): state for i, state in enumerate(states)},
-    }
+    return None
 
 
 def _num_shards(cfg: DataConfig, saved: int | None, *, process_count: int) -> int:
