@@ -201,7 +201,7 @@ def _copy_tree(src: epath.Path, dst: epath.Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(corpus, tmp_path_factory, gcs):
+def jobs(corpus, tmp_path_factory, gcs):
     """Jobs on the same config, one after the other: 2 processes × 4 devices (`dist`,
     preempted after step 2 and restarted: two jobs in one workdir), 1 process × 8 devices with
     the same 2 data shards (`single`), and 1 process × 8 devices resuming from the 2-process
@@ -269,8 +269,8 @@ def runs(corpus, tmp_path_factory, gcs):
 
 
 @pytest.mark.timeout(900)
-def test_two_processes_equal_one_process_step_by_step(runs):
-    dist, single = runs["dist"], runs["single"]
+def test_two_processes_equal_one_process_step_by_step(jobs):
+    dist, single = jobs["dist"], jobs["single"]
     dist.check()
     single.check()
     assert "process 1/2, 8 devices" in dist.logs[1]
@@ -293,11 +293,11 @@ def test_two_processes_equal_one_process_step_by_step(runs):
 
 
 @pytest.mark.timeout(900)
-def test_data_parallel_across_process_groups_trains_on_the_same_batches(runs):
+def test_data_parallel_across_process_groups_trains_on_the_same_batches(jobs):
     """config.mesh.slices=2 without TPU slices: the data axis spans the two processes as it
     spans slices on a pod (the fallback of mesh_utils' process granules); step by step the
     losses are those of the one-process run on the same global batches."""
-    sliced, single = runs["sliced"], runs["single"]
+    sliced, single = jobs["sliced"], jobs["single"]
     sliced.check()
     assert "the data axis spans 2 process groups of (4, 1, 1)" in sliced.logs[0]
     losses, expected = losses_by_step(sliced.workdir), losses_by_step(single.workdir)
@@ -308,34 +308,34 @@ def test_data_parallel_across_process_groups_trains_on_the_same_batches(runs):
 
 
 @pytest.mark.timeout(900)
-def test_preempted_processes_agree_on_a_step_save_it_and_exit(runs):
+def test_preempted_processes_agree_on_a_step_save_it_and_exit(jobs):
     # Step 2 is not a periodic save: process 0's notice alone made both processes save it.
-    assert_preempted_together(runs["preempted"], SIGTERM_AFTER)
-    assert runs["preempted_steps"] == [SIGTERM_AFTER]
-    assert f"resumed at step {SIGTERM_AFTER}" in runs["dist"].logs[0]
+    assert_preempted_together(jobs["preempted"], SIGTERM_AFTER)
+    assert jobs["preempted_steps"] == [SIGTERM_AFTER]
+    assert f"resumed at step {SIGTERM_AFTER}" in jobs["dist"].logs[0]
 
 
 @pytest.mark.timeout(900)
-def test_only_process_zero_writes_metrics(runs):
-    dist = runs["dist"]
+def test_only_process_zero_writes_metrics(jobs):
+    dist = jobs["dist"]
     dist.check()
     assert_one_writer(dist.workdir, STEPS, jobs=2)  # the preempted job and its restart
     assert all("loss" in r for r in metrics_writer.read_metrics(dist.workdir))  # no other lines
     assert (epath.Path(dist.workdir) / metrics_writer.LEARNING_CURVE_FILE).is_file()
     assert dist.workdir.startswith("gs://")
-    assert runs["pod_cwd_files"] == []  # nothing of the job was written locally
+    assert jobs["pod_cwd_files"] == []  # nothing of the job was written locally
     assert f"step {STEPS}/{STEPS} | loss" in dist.logs[0]
     assert "| loss" not in dist.logs[1]
 
 
 @pytest.mark.timeout(900)
-def test_two_process_checkpoint_restores_exactly_in_one_process(runs, corpus):
+def test_two_process_checkpoint_restores_exactly_in_one_process(jobs, corpus):
     """The checkpoint of step 3, written by both processes (each its FSDP shards), restored in
     this 1-process test onto another mesh: the values Orbax stores, exactly, and the state the
     1-process job reached at step 3 (up to fp32 reduction order)."""
-    runs["dist"].check()
-    runs["single"].check()
-    config = make_config(runs["base"])
+    jobs["dist"].check()
+    jobs["single"].check()
+    config = make_config(jobs["base"])
     model = AlbertForPreTraining(model_config_from(config))
     mesh = create_mesh((2, 2, 2))
     with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
@@ -344,7 +344,7 @@ def test_two_process_checkpoint_restores_exactly_in_one_process(runs, corpus):
             checkpointing.abstract_like(abstract.params, shardings.params),
             checkpointing.abstract_like(abstract.opt_state, shardings.opt_state),
         )
-        with checkpointing.Checkpointer(runs["dist"].workdir, read_only=True) as ckpt:
+        with checkpointing.Checkpointer(jobs["dist"].workdir, read_only=True) as ckpt:
             restored = ckpt.restore(RESUME_STEP, *targets)
             stored = ckpt.restore_numpy(RESUME_STEP, "params")
     for leaf, sharding in zip(
@@ -352,7 +352,7 @@ def test_two_process_checkpoint_restores_exactly_in_one_process(runs, corpus):
     ):
         assert leaf.sharding == sharding
     assert_trees_equal(jax.device_get(restored.params), stored)
-    with checkpointing.Checkpointer(runs["single"].workdir, read_only=True) as ckpt:
+    with checkpointing.Checkpointer(jobs["single"].workdir, read_only=True) as ckpt:
         single = ckpt.restore_numpy(RESUME_STEP, "params")
     for (path, a), b in zip(
         jax.tree.leaves_with_path(stored), jax.tree.leaves(single), strict=True
@@ -370,8 +370,8 @@ def test_two_process_checkpoint_restores_exactly_in_one_process(runs, corpus):
 
 
 @pytest.mark.timeout(900)
-def test_one_process_resumes_the_two_process_run(runs):
-    resumed, dist = runs["resumed"], runs["dist"]
+def test_one_process_resumes_the_two_process_run(jobs):
+    resumed, dist = jobs["resumed"], jobs["dist"]
     dist.check()
     resumed.check()
     log = resumed.logs[0]

@@ -64,7 +64,7 @@ def finetune_command(workdir, fields: dict[str, object], devices: int):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, shared_data):
+def jobs(tmp_path_factory, shared_data):
     """The config run in this process on 8 devices, and as 2 processes × 4 devices twice in one
     workdir: the first job is preempted (process 0 gets SIGTERM after step 6, as one host of a
     pod does before maintenance), the second resumes it and finishes."""
@@ -102,8 +102,8 @@ def _read(workdir: str, name: str) -> str:
 
 
 @pytest.mark.timeout(600)
-def test_two_processes_train_and_predict_as_one(runs):
-    dist, single = runs["dist"], runs["single"]
+def test_two_processes_train_and_predict_as_one(jobs):
+    dist, single = jobs["dist"], jobs["single"]
     dist.check()
     assert "process 1/2, 8 devices" in dist.logs[1]
     # Same losses at every step, each seed's and their mean: each process fed its half of
@@ -113,7 +113,7 @@ def test_two_processes_train_and_predict_as_one(runs):
         assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
         np.testing.assert_allclose([got[s] for s in expected], list(expected.values()), rtol=1e-5)
         assert len(set(got.values())) == STEPS  # the batches do change from step to step
-    assert _losses(single, "loss/seed_0") != _losses(single, "loss/seed_1")  # two runs, not one
+    assert _losses(single, "loss/seed_0") != _losses(single, "loss/seed_1")  # two jobs, not one
 
     # The same 128 predictions of each seed, gathered from both processes in order.
     results = json.loads(_read(dist.workdir, finetune.EVAL_RESULTS_FILE))
@@ -143,17 +143,17 @@ def test_two_processes_train_and_predict_as_one(runs):
 
 
 @pytest.mark.timeout(600)
-def test_preempted_processes_agree_on_a_step_save_it_and_exit(runs):
+def test_preempted_processes_agree_on_a_step_save_it_and_exit(jobs):
     # Step 6 is not a periodic save (4, 8, 12): process 0's notice made both processes save it.
-    assert_preempted_together(runs["preempted"], SIGTERM_AFTER)
-    assert runs["preempted_steps"] == [4, SIGTERM_AFTER]
-    assert not runs["preempted_results"]  # no evaluation yet
-    assert f"resumed fine-tuning at step {SIGTERM_AFTER}" in runs["dist"].logs[0]
+    assert_preempted_together(jobs["preempted"], SIGTERM_AFTER)
+    assert jobs["preempted_steps"] == [4, SIGTERM_AFTER]
+    assert not jobs["preempted_results"]  # no evaluation yet
+    assert f"resumed fine-tuning at step {SIGTERM_AFTER}" in jobs["dist"].logs[0]
 
 
 @pytest.mark.timeout(600)
-def test_only_process_zero_writes(runs):
-    dist = runs["dist"]
+def test_only_process_zero_writes(jobs):
+    dist = jobs["dist"]
     dist.check()
     assert_one_writer(dist.workdir, STEPS, jobs=2)  # the preempted job and its restart
     results = json.loads(_read(dist.workdir, finetune.EVAL_RESULTS_FILE))

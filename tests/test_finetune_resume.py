@@ -37,7 +37,7 @@ STEPS = 12  # sentiment_tiny_config's num_train_steps
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, shared_data):
+def resumed_runs(tmp_path_factory, shared_data):
     spm = tiny_tokenizer_path(tmp_path_factory, shared_data)
     root = tmp_path_factory.mktemp("resume")
     out = {"root": root, "spm": spm}
@@ -90,45 +90,45 @@ def _predictions(workdir: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def test_sigterm_saves_and_the_restart_matches_the_straight_run(runs):
-    stopped = runs["stopped"]
+def test_sigterm_saves_and_the_restart_matches_the_straight_run(resumed_runs):
+    stopped = resumed_runs["stopped"]
     assert stopped["preempted"] and stopped["step"] == 6 and stopped["checkpoint_step"] == 6
-    assert runs["stopped_steps"] == [4, 6]  # the periodic save, then the SIGTERM one
-    assert finetune.EVAL_RESULTS_FILE not in runs["stopped_files"]  # no evaluation yet
+    assert resumed_runs["stopped_steps"] == [4, 6]  # the periodic save, then the SIGTERM one
+    assert finetune.EVAL_RESULTS_FILE not in resumed_runs["stopped_files"]  # no evaluation yet
 
-    straight, chain = runs["straight_results"], runs["chain_results"]
+    straight, chain = resumed_runs["straight_results"], resumed_runs["chain_results"]
     assert not chain["preempted"] and chain["step"] == STEPS
-    _assert_trees_equal(_final(runs["straight"])[0], _final(runs["chain"])[0])
-    _assert_trees_equal(_final(runs["straight"])[1], _final(runs["chain"])[1])
+    _assert_trees_equal(_final(resumed_runs["straight"])[0], _final(resumed_runs["chain"])[0])
+    _assert_trees_equal(_final(resumed_runs["straight"])[1], _final(resumed_runs["chain"])[1])
     # Steps 1..6 logged by the first attempt, 7..12 by the restart: all the straight run's.
-    assert _losses(runs["chain"]) == _losses(runs["straight"])
-    assert sorted(_losses(runs["straight"])) == list(range(1, STEPS + 1))
+    assert _losses(resumed_runs["chain"]) == _losses(resumed_runs["straight"])
+    assert sorted(_losses(resumed_runs["straight"])) == list(range(1, STEPS + 1))
     assert chain["accuracy"] == straight["accuracy"] and chain["num_examples"] == 128
-    assert _predictions(runs["chain"]) == _predictions(runs["straight"])
+    assert _predictions(resumed_runs["chain"]) == _predictions(resumed_runs["straight"])
     # The init report of the first start survives the restart (it lives in the checkpoint).
     assert chain["init"] == straight["init"] and chain["init"]["source"] == "scratch"
 
 
-def test_restart_after_a_crash_continues_from_the_last_checkpoint(runs):
-    crashed = runs["crashed_results"]
+def test_restart_after_a_crash_continues_from_the_last_checkpoint(resumed_runs):
+    crashed = resumed_runs["crashed_results"]
     assert crashed["step"] == STEPS
-    _assert_trees_equal(_final(runs["straight"])[0], _final(runs["crashed"])[0])
-    _assert_trees_equal(_final(runs["straight"])[1], _final(runs["crashed"])[1])
+    _assert_trees_equal(_final(resumed_runs["straight"])[0], _final(resumed_runs["crashed"])[0])
+    _assert_trees_equal(_final(resumed_runs["straight"])[1], _final(resumed_runs["crashed"])[1])
     # The metric lines past step 8 were dropped and written again, once each.
-    records = [r for r in metrics_writer.read_metrics(runs["crashed"]) if "loss" in r]
+    records = [r for r in metrics_writer.read_metrics(resumed_runs["crashed"]) if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    assert _losses(runs["crashed"]) == _losses(runs["straight"])
-    assert _predictions(runs["crashed"]) == _predictions(runs["straight"])
+    assert _losses(resumed_runs["crashed"]) == _losses(resumed_runs["straight"])
+    assert _predictions(resumed_runs["crashed"]) == _predictions(resumed_runs["straight"])
 
 
-def test_resume_on_other_data_is_refused(runs, shared_data):
+def test_resume_on_other_data_is_refused(resumed_runs, shared_data):
     # Another seed (data order) or other training data cannot continue this run's schedule.
-    run_config = pathlib.Path(runs["chain"], "config.json")
+    run_config = pathlib.Path(resumed_runs["chain"], "config.json")
     recorded = run_config.read_text()
     for override in ({"seed": 1}, {"data.max_train_examples": 160}):
-        config = _config(runs["spm"], shared_data, **override)
+        config = _config(resumed_runs["spm"], shared_data, **override)
         with pytest.raises(ValueError, match="cannot resume .* changed") as error:
-            finetune.finetune_and_evaluate(config, runs["chain"])
+            finetune.finetune_and_evaluate(config, resumed_runs["chain"])
         key = "seed" if "seed" in override else "train_fingerprint"
         assert key in str(error.value)
         # The refused start closed what it opened: no mesh is left set in this process.
@@ -163,8 +163,8 @@ _RESTORE = textwrap.dedent(
 # shards do not divide over it, which a restore that rebuilt the saved sharding would fail on.
 # (Each count costs a fresh Python process with JAX and Orbax imported.)
 @pytest.mark.parametrize("devices", [3])
-def test_restore_numpy_reads_an_8_device_checkpoint_anywhere(runs, tmp_path, devices):
-    workdir = runs["straight"]
+def test_restore_numpy_reads_an_8_device_checkpoint_anywhere(resumed_runs, tmp_path, devices):
+    workdir = resumed_runs["straight"]
     # The checkpoint really is sharded over the 8 devices of this process...
     step_dir = os.path.join(checkpoint_dirs.checkpoint_dir(workdir), str(STEPS))
     with ocp.StandardCheckpointer() as reader:

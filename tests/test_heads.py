@@ -41,7 +41,7 @@ CFG = ModelConfig(
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory, shared_data) -> Tokenizer:
+def tiny_tokenizer(tmp_path_factory, shared_data) -> Tokenizer:
     return Tokenizer(tiny_tokenizer_path(tmp_path_factory, shared_data))
 
 
@@ -231,16 +231,16 @@ def test_truncate_pair_is_the_official_loop():
         assert truncate_pair(a, b, n) == reference(a, b, n)
 
 
-def test_classification_features_layout_and_counts(tokenizer):
+def test_classification_features_layout_and_counts(tiny_tokenizer):
     examples = [
         local.ClassificationExample("a", "a short one", None, 1),
         local.ClassificationExample("b", "premise " * 40, "the hypothesis", 0),
         local.ClassificationExample("c", "premise", "hypothesis " * 40, 2),
     ]
-    features = classification_features(examples, tokenizer, 24)
+    features = classification_features(examples, tiny_tokenizer, 24)
     a = features.arrays
     assert a["input_ids"].shape == (3, 24) and a["label"].tolist() == [1, 0, 2]
-    cls, sep = tokenizer.cls_id, tokenizer.sep_id
+    cls, sep = tiny_tokenizer.cls_id, tiny_tokenizer.sep_id
     n = int(a["input_mask"][0].sum())
     assert a["input_ids"][0, 0] == cls and a["input_ids"][0, n - 1] == sep
     assert (a["input_ids"][0, n:] == 0).all() and (a["segment_ids"][0] == 0).all()
@@ -251,17 +251,17 @@ def test_classification_features_layout_and_counts(tokenizer):
         assert len(seps) == 2 and seps[1] == 23
         assert (a["segment_ids"][row, : seps[0] + 1] == 0).all()
         assert (a["segment_ids"][row, seps[0] + 1 :] == 1).all()
-    hyp = tokenizer.encode("the hypothesis")
+    hyp = tiny_tokenizer.encode("the hypothesis")
     assert a["input_ids"][1, 24 - len(hyp) - 1 : 23].tolist() == hyp  # short side kept whole
     stats = features.stats
     assert stats.truncated_examples == 2 and stats.truncated == {"text_a": 1, "text_b": 1}
     regression = classification_features(
-        [local.ClassificationExample("r", "x", None, 0.25)], tokenizer, 8, regression=True
+        [local.ClassificationExample("r", "x", None, 0.25)], tiny_tokenizer, 8, regression=True
     )
     assert regression.arrays["label"].dtype == np.float32
 
 
-def test_multiple_choice_features(tokenizer):
+def test_multiple_choice_features(tiny_tokenizer):
     assert question_with_option("He went to _ .", "Paris") == "He went to Paris ."
     assert question_with_option("Where did he go?", "Paris") == "Where did he go? Paris"
     example = local.MultipleChoiceExample(
@@ -272,25 +272,25 @@ def test_multiple_choice_features(tokenizer):
         (1, 1, 0),
         1,
     )
-    features = multiple_choice_features([example], tokenizer, 40, max_qa_length=12)
+    features = multiple_choice_features([example], tiny_tokenizer, 40, max_qa_length=12)
     a = features.arrays
     assert a["input_ids"].shape == (1, 3, 40) and a["option_mask"].tolist() == [[1, 1, 0]]
     for c in range(3):
         row = a["input_ids"][0, c]
-        seps = np.flatnonzero(row == tokenizer.sep_id)
-        assert row[0] == tokenizer.cls_id and len(seps) == 2 and seps[1] == 39
+        seps = np.flatnonzero(row == tiny_tokenizer.sep_id)
+        assert row[0] == tiny_tokenizer.cls_id and len(seps) == 2 and seps[1] == 39
         qa = row[seps[0] + 1 : seps[1]].tolist()
         assert len(qa) == 12  # question+option cut to max_qa_length, keeping its end
         if c < 2:
             text = question_with_option(example.question, example.options[c])
-            assert qa == tokenizer.encode(text)[-12:]
+            assert qa == tiny_tokenizer.encode(text)[-12:]
     assert features.stats.truncated == {"question_option": 1, "context": 1}
 
 
-def test_align_pieces_round_trips_words(tokenizer):
+def test_align_pieces_round_trips_words(tiny_tokenizer):
     for word in ["Café", "naïve", "(Hello),", "$1,000,", "Ångström", "e\u0301t\u00e9", "ﬁnal"]:
-        pieces = tokenizer.encode_pieces(word)
-        spans = align_pieces(word, pieces, tokenizer)
+        pieces = tiny_tokenizer.encode_pieces(word)
+        spans = align_pieces(word, pieces, tiny_tokenizer)
         assert len(spans) == len(pieces)
         assert spans[0][0] == 0 and spans[-1][1] == len(word)
         # Non-empty pieces tile the word in order.
@@ -298,10 +298,10 @@ def test_align_pieces_round_trips_words(tokenizer):
         assert covered == word, (word, pieces, spans)
 
 
-def test_squad_offsets_round_trip_the_original_text(tokenizer, shared_data):
+def test_squad_offsets_round_trip_the_original_text(tiny_tokenizer, shared_data):
     path = os.path.join(shared_data, "tasks", "squad_shifts", "new_wiki_v1.0.json.gz")
     examples = local.read_squad(path)[:150]
-    features = squad_features(examples, tokenizer, 96, doc_stride=32, max_query_length=24)
+    features = squad_features(examples, tiny_tokenizer, 96, doc_stride=32, max_query_length=24)
     a = features.arrays
     assert a["input_ids"].shape[1] == 96 and len(features) > len(examples)
     assert features.stats.split_into_windows > 0
@@ -342,7 +342,7 @@ def test_doc_windows_cover_everything():
         doc_windows(10, 4, 0)
 
 
-def test_predictions_return_exact_original_text(tokenizer):
+def test_predictions_return_exact_original_text(tiny_tokenizer):
     context = "The Eiffel Tower (Tour Eiffel) is in Paris, France; it opened in 1889."
     examples = [
         local.SpanExample(
@@ -350,7 +350,7 @@ def test_predictions_return_exact_original_text(tokenizer):
         ),
         local.SpanExample("q2", "t", "Who built it?", context, (), True),
     ]
-    features = squad_features(examples, tokenizer, 48, doc_stride=16, max_query_length=16)
+    features = squad_features(examples, tiny_tokenizer, 48, doc_stride=16, max_query_length=16)
     a = features.arrays
     row = int(np.flatnonzero((features.example_index == 0) & (a["is_impossible"] == 0))[0])
     s, e = a["start_positions"][row], a["end_positions"][row]

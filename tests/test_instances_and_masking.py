@@ -23,7 +23,7 @@ from albert_jax.data.instances import A_HI, A_LO, B_HI, B_LO, KIND, LABEL
 
 
 @pytest.fixture(scope="module")
-def corpus(tokenizer, shared_data) -> TokenizedCorpus:
+def austen_corpus(tokenizer, shared_data) -> TokenizedCorpus:
     docs = iter_jsonl_documents(os.path.join(shared_data, "corpora", "austen.jsonl.gz"))
     return tokenize_documents(list(itertools.islice(docs, 70)), tokenizer)
 
@@ -75,19 +75,19 @@ def test_bad_input_is_counted_not_fatal(tokenizer):
         {"title": "surrogate", "text": "Broken \ud800 text. Second sentence."},
     ]
     counters = Counter()
-    corpus = tokenize_documents(docs, tokenizer, counters)
+    austen_corpus = tokenize_documents(docs, tokenizer, counters)
     assert counters["documents"] == 6
     assert counters["documents_empty"] == 2
     assert counters["documents_one_sentence"] == 1
     assert counters["non_utf8_replaced"] == 2
     assert counters["long_sentences_chunked"] == 1
-    assert corpus.num_documents == 4
-    lengths = np.diff(corpus.sentence_starts)
+    assert austen_corpus.num_documents == 4
+    lengths = np.diff(austen_corpus.sentence_starts)
     assert lengths.min() >= 1
     # The 100k line became ~50 sentences of at most MAX_SENTENCE_CHARS characters.
-    assert corpus.doc_starts[3] - corpus.doc_starts[2] >= 100_000 // 2000
+    assert austen_corpus.doc_starts[3] - austen_corpus.doc_starts[2] >= 100_000 // 2000
     table = instances.create_instances(
-        corpus, np.random.default_rng(0), max_seq_length=64, counters=counters
+        austen_corpus, np.random.default_rng(0), max_seq_length=64, counters=counters
     )
     assert len(table) > 0 and counters["instances_truncated"] > 0
     assert np.all(table[:, A_HI] - table[:, A_LO] + table[:, B_HI] - table[:, B_LO] <= 61)
@@ -116,13 +116,13 @@ def _find(haystack: np.ndarray, needle: np.ndarray) -> np.ndarray:
     return np.array([s for s in starts if np.array_equal(haystack[s : s + len(needle)], needle)])
 
 
-def test_sop_instances_follow_the_reference(corpus, tokenizer):
+def test_sop_instances_follow_the_reference(austen_corpus, tokenizer):
     """single_segment="random_b": the official algorithm, one-sentence chunks included."""
     rng = np.random.default_rng(1)
     S = 128
     counters = Counter()
     table = instances.create_instances(
-        corpus, rng, max_seq_length=S, single_segment="random_b", counters=counters
+        austen_corpus, rng, max_seq_length=S, single_segment="random_b", counters=counters
     )
     la = table[:, A_HI] - table[:, A_LO]
     lb = table[:, B_HI] - table[:, B_LO]
@@ -139,8 +139,8 @@ def test_sop_instances_follow_the_reference(corpus, tokenizer):
     # Hence the reference's excess of label 1: every one-sentence chunk adds one.
     assert label.mean() > 0.5 + 0.5 * (kind == instances.RANDOM_B).mean() - 0.02
     # Random B comes from another document; A and B of pairs from the same one.
-    doc_a = corpus.document_of_token(table[:, A_LO])
-    doc_b = corpus.document_of_token(table[:, B_LO])
+    doc_a = austen_corpus.document_of_token(table[:, A_LO])
+    doc_b = austen_corpus.document_of_token(table[:, B_LO])
     assert np.all(doc_a[pairs] == doc_b[pairs])
     assert np.all(doc_a[~pairs] != doc_b[~pairs])
     # Short targets: about short_seq_prob of the documents aim below the maximum.
@@ -149,15 +149,17 @@ def test_sop_instances_follow_the_reference(corpus, tokenizer):
 
     # Black box: rebuild the token sequences of a batch and find them in the documents.
     batch_rows = table[:300]
-    ids, segments, lengths = batches.assemble([corpus], np.zeros(300, np.int64), batch_rows, S)
+    ids, segments, lengths = batches.assemble(
+        [austen_corpus], np.zeros(300, np.int64), batch_rows, S
+    )
     for b in range(300):
         row = ids[b, : lengths[b]]
         assert row[0] == tokenizer.cls_id and row[-1] == tokenizer.sep_id
         sep = int(np.flatnonzero(row == tokenizer.sep_id)[0])
         seg_a, seg_b = row[1:sep], row[sep + 1 : -1]
         assert np.all(segments[b, : sep + 1] == 0) and np.all(segments[b, sep + 1 : lengths[b]])
-        d = corpus.document_of_token(batch_rows[b, A_LO])
-        doc = np.asarray(corpus.document_tokens(d))
+        d = austen_corpus.document_of_token(batch_rows[b, A_LO])
+        doc = np.asarray(austen_corpus.document_tokens(d))
         where_a = _find(doc, seg_a)
         assert where_a.size, "segment A must come from its document"
         if batch_rows[b, KIND] == instances.RANDOM_B:
@@ -173,16 +175,16 @@ def test_sop_instances_follow_the_reference(corpus, tokenizer):
 SPLIT_KINDS = (instances.SPLIT_IN_ORDER, instances.SPLIT_SWAPPED)
 
 
-def test_sop_splits_one_sentence_chunks(corpus, tokenizer):
+def test_sop_splits_one_sentence_chunks(austen_corpus, tokenizer):
     """Default "split": every instance is a same-document order question, label 1 iff swapped;
     a cut sentence's two sides touch (A ends where B begins when in order)."""
     S = 128
     counters = Counter()
     table = instances.create_instances(
-        corpus, np.random.default_rng(1), max_seq_length=S, counters=counters
+        austen_corpus, np.random.default_rng(1), max_seq_length=S, counters=counters
     )
     reference = instances.create_instances(
-        corpus, np.random.default_rng(1), max_seq_length=S, single_segment="random_b"
+        austen_corpus, np.random.default_rng(1), max_seq_length=S, single_segment="random_b"
     )
     kind, label = table[:, KIND], table[:, LABEL]
     # Same draws: the same chunks, with a cut sentence where the reference has a random B.
@@ -201,11 +203,11 @@ def test_sop_splits_one_sentence_chunks(corpus, tokenizer):
     lb = table[:, B_HI] - table[:, B_LO]
     assert la.min() >= 1 and lb.min() >= 1 and (la + lb).max() <= S - 3
     # A and B always come from the same document: no topic signal.
-    doc_a = corpus.document_of_token(table[:, A_LO])
-    doc_b = corpus.document_of_token(table[:, B_LO])
+    doc_a = austen_corpus.document_of_token(table[:, A_LO])
+    doc_b = austen_corpus.document_of_token(table[:, B_LO])
     assert np.array_equal(doc_a, doc_b)
     # A cut sentence: both sides inside one sentence, adjacent at the cut.
-    ss = np.asarray(corpus.sentence_starts)
+    ss = np.asarray(austen_corpus.sentence_starts)
     first = np.minimum(table[:, A_LO], table[:, B_LO])
     last = np.maximum(table[:, A_HI], table[:, B_HI]) - 1
     sent_first = np.searchsorted(ss, first, side="right") - 1
@@ -221,12 +223,14 @@ def test_sop_splits_one_sentence_chunks(corpus, tokenizer):
 
     # Black box: rebuild the sequences and find them in their document.
     rows = np.concatenate([table[split][:100], table[pairs][:200]])
-    ids, _, lengths = batches.assemble([corpus], np.zeros(len(rows), np.int64), rows, S)
+    ids, _, lengths = batches.assemble([austen_corpus], np.zeros(len(rows), np.int64), rows, S)
     for b in range(len(rows)):
         row = ids[b, : lengths[b]]
         sep = int(np.flatnonzero(row == tokenizer.sep_id)[0])
         seg_a, seg_b = row[1:sep], row[sep + 1 : -1]
-        doc = np.asarray(corpus.document_tokens(corpus.document_of_token(rows[b, A_LO])))
+        doc = np.asarray(
+            austen_corpus.document_tokens(austen_corpus.document_of_token(rows[b, A_LO]))
+        )
         where_a, where_b = _find(doc, seg_a), _find(doc, seg_b)
         assert where_a.size and where_b.size
         first_seg, second_seg = (seg_a, seg_b) if rows[b, LABEL] == 0 else (seg_b, seg_a)
@@ -254,10 +258,14 @@ def _synthetic_corpus(sentence_lengths_per_doc: list[list[int]]) -> TokenizedCor
 
 def test_split_cut_is_uniform_and_truncation_keeps_the_cut():
     # 4000 one-sentence documents of 10 tokens, 30 of 1 token, one of a 300-token sentence.
-    corpus = _synthetic_corpus([[10]] * 4000 + [[1]] * 30 + [[300]])
+    austen_corpus = _synthetic_corpus([[10]] * 4000 + [[1]] * 30 + [[300]])
     counters = Counter()
     table = instances.create_instances(
-        corpus, np.random.default_rng(0), max_seq_length=64, short_seq_prob=0.0, counters=counters
+        austen_corpus,
+        np.random.default_rng(0),
+        max_seq_length=64,
+        short_seq_prob=0.0,
+        counters=counters,
     )
     assert counters["instances_unsplittable"] == 30
     assert len(table) == counters["instances_split_sentence"] == 4001
@@ -282,10 +290,10 @@ def test_split_cut_is_uniform_and_truncation_keeps_the_cut():
     assert hi1 == lo2 and hi2 - lo1 == 61 and 40030 <= lo1 < hi1 and lo2 < hi2 <= 40330
 
 
-def test_split_edge_cases_and_other_objectives(corpus):
+def test_split_edge_cases_and_other_objectives(austen_corpus):
     with pytest.raises(ValueError, match="single_segment"):
         instances.create_instances(
-            corpus, np.random.default_rng(0), max_seq_length=128, single_segment="drop"
+            austen_corpus, np.random.default_rng(0), max_seq_length=128, single_segment="drop"
         )
     ones = _synthetic_corpus([[1]] * 5)
     with pytest.raises(ValueError, match="1-token"):
@@ -294,7 +302,7 @@ def test_split_edge_cases_and_other_objectives(corpus):
     for objective in ("nsp", "none"):
         split, ref = (
             instances.create_instances(
-                corpus,
+                austen_corpus,
                 np.random.default_rng(4),
                 max_seq_length=128,
                 objective=objective,
@@ -305,32 +313,32 @@ def test_split_edge_cases_and_other_objectives(corpus):
         assert np.array_equal(split, ref)
 
 
-def test_nsp_and_none_objectives(corpus):
+def test_nsp_and_none_objectives(austen_corpus):
     table = instances.create_instances(
-        corpus, np.random.default_rng(2), max_seq_length=128, objective="nsp"
+        austen_corpus, np.random.default_rng(2), max_seq_length=128, objective="nsp"
     )
     kind, label = table[:, KIND], table[:, LABEL]
     assert not (kind == instances.SWAPPED).any()
     assert np.array_equal(label == 1, kind == instances.RANDOM_B)
     assert 0.45 < label.mean() < 0.6  # p=0.5 plus one-sentence chunks
-    doc_a = corpus.document_of_token(table[:, A_LO])
-    doc_b = corpus.document_of_token(table[:, B_LO])
+    doc_a = austen_corpus.document_of_token(table[:, A_LO])
+    doc_b = austen_corpus.document_of_token(table[:, B_LO])
     assert np.all(doc_a[label == 1] != doc_b[label == 1])
     table = instances.create_instances(
-        corpus, np.random.default_rng(2), max_seq_length=128, objective="none"
+        austen_corpus, np.random.default_rng(2), max_seq_length=128, objective="none"
     )
     assert not table[:, LABEL].any() and (table[:, KIND] == instances.IN_ORDER).all()
     with pytest.raises(ValueError, match="objective"):
         instances.create_instances(
-            corpus, np.random.default_rng(0), max_seq_length=128, objective="mlm"
+            austen_corpus, np.random.default_rng(0), max_seq_length=128, objective="mlm"
         )
 
 
 @pytest.mark.parametrize("single_segment", ["split", "random_b"])
-def test_instances_are_seeded(corpus, single_segment):
+def test_instances_are_seeded(austen_corpus, single_segment):
     a, b, c = (
         instances.create_instances(
-            corpus,
+            austen_corpus,
             np.random.default_rng(seed),
             max_seq_length=128,
             single_segment=single_segment,
@@ -344,12 +352,12 @@ def test_instances_are_seeded(corpus, single_segment):
 
 
 @pytest.fixture(scope="module")
-def masked(corpus, tokenizer):
+def masked(austen_corpus, tokenizer):
     """>= 10k real sequences (seq 128, P 20) masked by the vectorized implementation."""
     rng = np.random.default_rng(3)
-    tables = [instances.create_instances(corpus, rng, max_seq_length=128) for _ in range(5)]
+    tables = [instances.create_instances(austen_corpus, rng, max_seq_length=128) for _ in range(5)]
     rows = np.concatenate(tables)[:10240]
-    ids, _, lengths = batches.assemble([corpus], np.zeros(len(rows), np.int64), rows, 128)
+    ids, _, lengths = batches.assemble([austen_corpus], np.zeros(len(rows), np.int64), rows, 128)
     out = masking.mask_whole_word_ngrams(
         ids, lengths, tokenizer.word_start, rng, max_predictions=20
     )

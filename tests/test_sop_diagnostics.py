@@ -212,7 +212,7 @@ def sop_run(corpus, tmp_path_factory) -> tuple[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(corpus, tmp_path_factory):
+def sop_and_mlm_runs(corpus, tmp_path_factory):
     """The tiny SOP run (`sop_run`), and the same checkpoint as an MLM-only run: a copy whose
     config.json says objective=none (every checkpoint has the SOP head; the table must
     measure it whatever the run trained). One compiled run keeps the test fast."""
@@ -234,11 +234,11 @@ def check_splits_sum_to_total(metrics, splits):
     return n
 
 
-def test_eval_reports_sop_accuracy_by_label_and_kind(runs):
+def test_eval_reports_sop_accuracy_by_label_and_kind(sop_and_mlm_runs):
     """A tiny SOP run's evaluation has the split keys of the kinds in its data (no random
     document in split mode), in the result and in metrics.jsonl, and each split adds up to
     the total."""
-    workdir, result = runs["sop"]
+    workdir, result = sop_and_mlm_runs["sop"]
     kinds = ("in_order", "swapped", "split_in_order", "split_swapped")
     for key in ("label_0", "label_1", *kinds):
         assert f"eval_sop_accuracy_{key}" in result, key
@@ -253,12 +253,12 @@ def test_eval_reports_sop_accuracy_by_label_and_kind(runs):
     assert last["eval_sop_accuracy_swapped"] == pytest.approx(result["eval_sop_accuracy_swapped"])
 
 
-def test_cross_evaluation_command(runs, tmp_path):
+def test_cross_evaluation_command(sop_and_mlm_runs, tmp_path):
     """`python -m albert_jax.analysis.sop_table --workdirs=...` on the two runs: every run on
     both tasks (the MLM-only row's head measured too); the SOP run on the SOP task reproduces
     its own training-time evaluation; the NSP data has only in-order and random-document
     pairs; JSON and markdown written."""
-    (sop_dir, sop_result), (none_dir, _) = runs["sop"], runs["none"]
+    (sop_dir, sop_result), (none_dir, _) = sop_and_mlm_runs["sop"], sop_and_mlm_runs["none"]
     out = tmp_path / "table"
     proc = subprocess.run(
         [sys.executable, "-m", "albert_jax.analysis.sop_table",
@@ -292,9 +292,9 @@ def test_cross_evaluation_command(runs, tmp_path):
     assert proc.stdout == markdown
 
 
-def test_cross_evaluation_refuses_runs_on_other_data(runs, tmp_path):
+def test_cross_evaluation_refuses_runs_on_other_data(sop_and_mlm_runs, tmp_path):
     """Runs whose evaluation batches would differ cannot share a table: the field is named."""
-    sop_dir, _ = runs["sop"]
+    sop_dir, _ = sop_and_mlm_runs["sop"]
     other = tmp_path / "other_seed"
     shutil.copytree(sop_dir, other)
     config = json.loads((other / "config.json").read_text())
