@@ -76,7 +76,6 @@ def _save_arrays_from_replica_zero() -> None:
         absl_logger.setLevel(level)
 
 
-
 def checkpoint_meta(config: ModelConfig, step: int, /, **extra: Any) -> dict[str, Any]:
     """The `meta` item of a training checkpoint: `{"model_config", "step", **extra}`
     (`load_pretrained` rebuilds the model from `model_config`)."""

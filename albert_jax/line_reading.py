@@ -20,7 +20,7 @@ from albert_jax.files import PathLike
 DEFAULT_MAX_LINE_BYTES = 64 << 20
 DEFAULT_MAX_BLANK_LINES = 100_000
 # A file with 10k unparsable lines in a row is not the format it is read as; the rest of it
-# is junk to be parsed line by line (a 16 kB gzip of 8 Mi lines of "x" took 20 s).
+# is junk to be parsed line by line (docs/benchmarks.md, "Figures behind constants").
 DEFAULT_MAX_BAD_LINES = 10_000
 # Text compresses 3-10x; gzip's ceiling is ~1030x. A file that decompresses to over 200x its
 # stored size (past `_EXPANSION_FLOOR`) is a bomb or generated filler, not a corpus.

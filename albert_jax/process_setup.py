@@ -170,10 +170,9 @@ def keep_freed_host_memory() -> bool:
 def set_up_process(fine_tuning: bool) -> bool:
     """Before JAX starts: a fine-tuning run keeps the memory XLA frees after a step for the
     next (`keep_freed_host_memory`, a CPU-only host); returns whether it does. Pretraining is
-    left under glibc's defaults: there the setting made the step slower although it saved 70%
-    of its page faults (ALBERT-base, 8 x 128, 2-core Xeon: 1.05x, the median of 13 pairs of
-    processes run alternately with and without it, slower in 11), while it made the base
-    fine-tuning step 1.03x faster (the median of 6 such pairs, faster in 5). (A host with
+    left under glibc's defaults: there the setting made the step slower although it saved most
+    of its page faults, while it made the fine-tuning step faster (docs/benchmarks.md,
+    "Figures behind constants"). (A host with
     libtpu but no TPU chip is kept off a TPU backend by every command's `console.quiet`.)
     `albert_jax.main` calls it once its flags are read.
     """

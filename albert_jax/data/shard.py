@@ -55,6 +55,7 @@ class BatchBuilder:
         corpus_dirs: Sequence[str],
         *,
         mask_key: tuple[int, ...],
+        corpora: list[TokenizedCorpus] | None = None,
     ):
         self.cfg = cfg
         self.corpus_dirs = list(corpus_dirs)
@@ -66,7 +67,9 @@ class BatchBuilder:
             pad_id=tokenizer.pad_id,
         )
         self.mask_key = tuple(mask_key)
-        self._corpora: list[TokenizedCorpus] | None = None
+        # The corpora already in memory (this process's), else loaded from `corpus_dirs` on
+        # first use (an input worker: a pickled builder carries the dirs, not the arrays).
+        self._corpora: list[TokenizedCorpus] | None = corpora
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -166,9 +169,8 @@ class PretrainingIterator:
             [s.weight for s in sources], seed=self.seed, shard_index=shard_index
         )
         self._builder = BatchBuilder(
-            cfg, tokenizer, dirs, mask_key=(self.seed, TAG_MASK, shard_index)
+            cfg, tokenizer, dirs, mask_key=(self.seed, TAG_MASK, shard_index), corpora=corpora
         )
-        self._builder._corpora = corpora
         self._fingerprint = hashlib.sha256(
             json.dumps(
                 [

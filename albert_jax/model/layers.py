@@ -399,7 +399,7 @@ class SelfAttention(nn.Module):
             gradient transposed and copied it back inside every consumer (the sum over the
             shared layers, the clip norm, Adam's moments): 9% of a base fine-tuning step.
             Heads then go before positions ([B, N, T, D]): both attention matmuls are plain
-            batched GEMMs over (B, N) without transposes (2x faster on CPU than [B, T, N, D]).
+            batched GEMMs over (B, N) without transposes (faster on CPU than [B, T, N, D]).
             """
             w = kernel[:, :, which]
             n_out = w.shape[2]

@@ -51,19 +51,16 @@ MIN_ROW_LENGTH = 128
 # that follows the row length keeps `cls_positions` small and the shapes tied to the bucket.
 TOKENS_PER_SLOT = 16
 # Row counts from one power of two (in units of the granularity) to the next: each new count is
-# a compilation (measured for the fine-tuning step: 7-9 s on a 2-core AMD EPYC, 4-5 s for
-# base on 2 vCPUs of an AVX-512 Xeon; 14 s tiny and 21-27 s base on an H200, where 100 base
-# updates take 1.3 s), each row above the needed ones is padding. 8 keeps the padding under
-# 1/8 of the rows and counts below 16 units exact; sentiment_rt at max_seq_length 40 (1
-# example a row, 24..32 rows) compiled 9 shapes row by row, 5 on this ladder.
+# a compilation of the step (seconds; an accelerator's 100 updates cost about as much), each
+# row above the needed ones is padding. 8 keeps the padding under 1/8 of the rows and counts
+# below 16 units exact (figures: docs/benchmarks.md, "Figures behind constants").
 ROW_COUNTS_PER_OCTAVE = 8
 # `config.pack_examples=None` (auto) packs when packed rows hold at most this share of the tokens
 # the same batches take unpacked (`packed_share`). Packing has costs of its own: several row
 # counts to compile, and a step dearer a token at short rows (block-diagonal masks, [CLS]
-# gathers). sentiment_rt with the tests' 2000-piece tokenizer, one device: the share is 0.97 at
-# max_seq_length 32, 0.93 at 40 (one example a row, seldom two), 0.74 at 64 and 0.35 at 128 or
-# 512. At 40 (tiny model, 500 steps) the packed run took 52 s (5 shapes) against 23 s bucketed
-# (1 shape), the same accuracy; at 0.35 packing is what puts ours at 1.7x HF's dynamic padding.
+# gathers): where rows are about full anyway (short max_seq_length), bucketing was faster at
+# the same accuracy, and where packing halves the tokens it wins (figures:
+# docs/benchmarks.md, "Figures behind constants").
 AUTO_MAX_PACKED_SHARE = 0.75
 # The first steps whose batches `packed_share` looks at: batches are random draws of the same
 # features, so 64 of them give the share of a whole epoch to ~0.01 (sentiment_rt above).
