@@ -67,7 +67,16 @@ setup(
         ],
         # HF interop: PyTorch CPU build (install torch==2.13.0 first to avoid CUDA wheels).
         # transformers 4.x: v5 dropped load_tf_weights_in_albert and Flax ALBERT (our peers).
-        "hf": ["torch>=2.4", "transformers>=4.46,<5"],
+        # `convert --to=onnx` (interop/onnx_export.py): torch's torch.export-based ONNX
+        # exporter (torch >= 2.6 for its arguments; tested with 2.13) needs onnx and onnxscript;
+        # onnxruntime runs the file (its tests, benchmarks/inference.py): opset 20, from 1.17.
+        "hf": [
+            "torch>=2.4",
+            "transformers>=4.46,<5",
+            "onnx>=1.16",
+            "onnxscript>=0.5",
+            "onnxruntime>=1.17",
+        ],
         # benchmarks/train_step.py's KerasHub peer (Keras 3 on JAX). Not in CI's install: its
         # tensorflow-text requirement pulls the full `tensorflow` wheel on top of tensorflow-cpu.
         # The peer only needs `pip install --no-deps keras-hub kagglehub kagglesdk`.

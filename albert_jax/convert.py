@@ -3,6 +3,7 @@
   python -m albert_jax.convert --from=hf --src=HF_DIR --dst=MODEL_DIR
   python -m albert_jax.convert --from=tf --src=OFFICIAL_DIR_OR_CKPT_PREFIX --dst=MODEL_DIR
   python -m albert_jax.convert --to=hf --src=MODEL_DIR_OR_WORKDIR_OR_STEP_DIR --dst=HF_DIR
+  python -m albert_jax.convert --to=onnx --src=FINETUNE_WORKDIR_OR_STEP_DIR --dst=HF_DIR
   python -m albert_jax.convert --unshare --src=ANY_CHECKPOINT --dst=MODEL_DIR
   python -m albert_jax.convert --reshare --src=ANY_CHECKPOINT --dst=MODEL_DIR
 
@@ -22,10 +23,18 @@ A run of several seeds exports `--run_seed=S`, else its best seed by the task's 
 `--hf_class` names the class expected, and a task class asked of a source without a task head
 (a pretraining run, model, HF or TF1 dir: those export as `AlbertForPreTraining`) is refused.
 
+`--to=onnx` writes the same HF task export (same flags, same checks and refusals) and then
+`model.onnx` into the same dir (`albert_jax.interop.onnx_export`): the task model for
+onnxruntime, inputs `input_ids`, `attention_mask`, `token_type_ids` (int64, [batch, sequence];
+multiple choice [batch, choices, sequence]) and HF's output names (`logits`, or `start_logits`
+and `end_logits`), every dimension symbolic. It takes fine-tuning runs only: a source without a
+task head is refused in one line before anything is written (a pretraining model has no
+prediction to serve; `--to=hf` exports it, `python -m albert_jax.export` serves its encoder).
+
 A `--dst` that is `--src` or inside it, or that holds a training run (`checkpoints/`,
 `metrics.jsonl`), is refused before anything is read unless `--overwrite` is given: the outputs
-(`config.json` among them) would replace its files. So is a `--to=hf` export dir that already
-holds anything: files of another model beside the new ones would make a mixed HF dir.
+(`config.json` among them) would replace its files. So is a `--to=hf` / `--to=onnx` export dir
+that already holds anything: files of another model beside the new ones would make a mixed dir.
 
 Every path may be local or `gs://`. The work is done by the modules below this one, which
 import each other one way only (weight_names <- hf_checkpoint, tf1_checkpoint <- pretrained <-
@@ -37,6 +46,7 @@ convert):
   pretrained       `load_pretrained` (any layout) and `save_model_dir`
   unshare          `unshare` / `reshare` of the encoder's layers (pretrained <- unshare)
   hf_task_export   fine-tuning runs -> HF task models (pretrained <- hf_task_export)
+  onnx_export      HF task models -> model.onnx (torch.onnx; imports none of the above)
 
 Import their functions from them: this module is the CLI only. Missing or mis-shaped tensors
 raise one `ValueError` listing all of them; extra tensors are logged (warning, logger
@@ -81,22 +91,23 @@ def _define_flags() -> None:
     flags.DEFINE_enum(
         "to",
         None,
-        ["hf"],
+        ["hf", "onnx"],
         "Export an albert_jax checkpoint (model dir, workdir or step dir) to an HF dir "
         "(config.json + model.safetensors + tokenizer files): a fine-tuning run as the HF task "
-        "class of its head, anything else as AlbertForPreTraining.",
+        "class of its head, anything else as AlbertForPreTraining (hf); onnx: a fine-tuning "
+        "run's HF task export and its model.onnx beside it.",
     )
     flags.DEFINE_integer(
         "run_seed",
         None,
-        "--to=hf of a fine-tuning run of several seeds (config.num_seeds): the seed to export "
+        "--to=hf/onnx of a fine-tuning run of several seeds (config.num_seeds): the seed to export "
         "(default: the best by the task's headline metric in its eval_results.json).",
     )
     flags.DEFINE_enum(
         "hf_class",
         None,
         [PRETRAINING_CLASS, *sorted(set(HF_CLASSES.values()))],
-        "--to=hf: the HF class expected (default: the source's own); an error when the source "
+        "--to=hf/onnx: the HF class expected (default: the source's own); an error when the source "
         "does not export as it.",
     )
     flags.DEFINE_bool(
@@ -181,9 +192,11 @@ def main(argv: list[str]) -> None:
     direction_from, direction_to = FLAGS["from"].value, FLAGS.to
     given = [direction_from, direction_to, FLAGS.unshare or None, FLAGS.reshare or None]
     if sum(d is not None for d in given) != 1:
-        raise app.UsageError("give exactly one of --from=hf|tf, --to=hf, --unshare or --reshare")
+        raise app.UsageError(
+            "give exactly one of --from=hf|tf, --to=hf|onnx, --unshare or --reshare"
+        )
     src, dst, tokenizer = FLAGS.src, FLAGS.dst, FLAGS.tokenizer
-    check_destination(src, dst, FLAGS.overwrite, export=direction_to == "hf")
+    check_destination(src, dst, FLAGS.overwrite, export=direction_to is not None)
     if FLAGS.unshare or FLAGS.reshare:
         direction = "unshare" if FLAGS.unshare else "reshare"
         report = convert_sharing(src, dst, direction)
@@ -199,8 +212,14 @@ def main(argv: list[str]) -> None:
         print(f"outputs vs the source (fp32, probe batch {shape}): {figures}")
         print(f"wrote albert_jax model dir to {dst}")
         return
-    if direction_to == "hf":
+    if direction_to is not None:
         run = fine_tuning_run(src)
+        if run is None and direction_to == "onnx":
+            raise ValueError(
+                f"--to=onnx: {src} is no fine-tuning run (a pretraining run, model, HF or TF1 "
+                "dir): ONNX exports the task head of a fine-tuning run only; fine-tune it and "
+                "export the fine-tuning workdir (--to=hf exports it as AlbertForPreTraining)"
+            )
         if run is not None:
             written = export_hf_task_model(
                 run, dst, run_seed=FLAGS.run_seed, hf_class=FLAGS.hf_class,
@@ -208,9 +227,16 @@ def main(argv: list[str]) -> None:
             )  # fmt: skip
             seed = written["run_seed"]
             which = "" if seed is None else f", seed {seed} ({written['seed_choice']})"
+            cls, of = written["hf_class"], f"of task {written['task']!r}"
+            of += f" (step {written['step']}{which})"
+            if direction_to == "hf":
+                print(f"wrote HF {cls} {of} to {dst}")
+                return
+            from albert_jax.interop.onnx_export import ONNX_FILE, OPSET, export_onnx
+
+            export_onnx(dst)
             print(
-                f"wrote HF {written['hf_class']} of task {written['task']!r} (step "
-                f"{written['step']}{which}) to {dst}"
+                f"wrote ONNX {ONNX_FILE} (opset {OPSET}) beside the HF {cls} export {of} in {dst}"
             )
             return
         if FLAGS.hf_class not in (None, PRETRAINING_CLASS):
