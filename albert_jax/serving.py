@@ -5,7 +5,7 @@ artifacts `python -m albert_jax.export` writes, and the one way text becomes pre
     from albert_jax import serving
     served = serving.load("gs://bucket/exports/rt")     # jax, numpy, sentencepiece: no model code
     served.predict([{"id": "a", "sentence": "A gem of a film."}])
-    # -> [{"id": "a", "label": "positive", "label_index": 1, "score": 0.93, "probabilities": [...]}]
+    # -> [{"id": "a", "label": "positive", "label_index": 1, "score": ..., "probabilities": [...]}]
     served.embed(["A gem of a film."], pooling="mean")  # [N, H] float32
 
 An artifact directory (local or gs://):
