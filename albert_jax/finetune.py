@@ -56,7 +56,7 @@ from albert_jax.finetune_config import (
     model_config,
     validate_config,
 )
-from albert_jax.loop import Loop
+from albert_jax.loop import DebugHooks, Loop
 from albert_jax.model import heads
 from albert_jax.model.config import ModelConfig
 from albert_jax.pretrained import Checkpoint
@@ -91,11 +91,14 @@ class FineTuning(TaskModel):
     flops_per_step = None
     final_eval = True  # the results of the run are the evaluation after its last step
     eval_reduces = False  # eval_fn returns per-row outputs, scored on the host
+    progress_fields = (("loss", "loss"), ("acc", "accuracy"))  # regression: the loss alone
 
     def __init__(self, config: Any, workdir: str, spec: TaskSpec, mesh: Mesh):
         self.config, self.workdir, self.spec = config, workdir, spec
         self.task = str(config.task)
         self.kind = get_kind(spec.kind)
+        short = {"accuracy": "acc", "exact_match": "em"}
+        self.eval_progress_fields = tuple((short.get(m, m), f"eval_{m}") for m in spec.metrics)
         check_batch("batch_size", config.batch_size, mesh)
         check_batch("eval_batch_size", config.eval_batch_size, mesh)
         # N seeds in one program: each seed's batch of `batch_size` rows, interleaved.
@@ -213,7 +216,7 @@ class FineTuning(TaskModel):
         }
 
     # ---------------------------------------------------------------------------- evaluation
-    def evaluate(self, loop: Loop, params: PyTree) -> dict[str, Any]:
+    def evaluate(self, params: PyTree, put: Any, eval_step: Any) -> dict[str, Any]:
         """Scores every eval set (metrics prefixed by the set name when there are several) and
         keeps the results and predictions; returns the numeric ones as `eval_*` (N seeds: the
         median over the seeds, and each seed's as `eval_<metric>/seed_<seed>`)."""
@@ -222,7 +225,7 @@ class FineTuning(TaskModel):
         self.predictions = [[] for _ in range(runs)]
 
         def run(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
-            return fetch(loop.eval_step(params, loop.put(batch, rows)))
+            return fetch(eval_step(params, put(batch, rows)))
 
         several = len(self.data.eval_sets) > 1
         for eval_set, features in self.data.eval_pairs():
@@ -335,7 +338,7 @@ def _finetune(
         preset = model_config(config, None, ModelConfig.preset(config.size).vocab_size)
     mesh = create_mesh(*mesh_layout(config, preset), slices=int(config.mesh.get("slices", 0)))
     objective = make_objective(config, workdir, spec, mesh)
-    loop = Loop(objective, config, workdir, mesh, lease=lease)
+    loop = Loop(objective, config, workdir, mesh, lease=lease, debug=DebugHooks.from_config(config))
     try:
         summary = loop.run()
     finally:

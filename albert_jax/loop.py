@@ -30,7 +30,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import flax.linen as nn
@@ -79,6 +79,9 @@ class Objective(Protocol):
     eval_reduces: bool  # eval_fn returns sums over the batch (replicated), not rows
     model_config: Any  # the `ModelConfig` saved with every checkpoint
     task: str | None  # the fine-tuning task (saved in `meta` as "task"); None: pretraining
+    # (label, metric key) of the progress line: training metrics, then evaluation results
+    progress_fields: tuple[tuple[str, str], ...]
+    eval_progress_fields: tuple[tuple[str, str], ...]
 
     def init_variables(self, rng: jax.Array) -> PyTree:
         """The boxed (logical-axis annotated) params tree of a random init."""
@@ -113,14 +116,49 @@ class Objective(Protocol):
     def meta(self) -> dict[str, Any]:
         """JSON saved with every checkpoint besides the model config and step."""
 
-    def evaluate(self, loop: Loop, params: PyTree) -> dict[str, Any]:
-        """Numeric `eval_*` metrics of `params` (logged with the step's record)."""
+    def evaluate(
+        self,
+        params: PyTree,
+        put: Callable[[Batch, int], dict[str, jax.Array]],
+        eval_step: Callable[[PyTree, Mapping[str, jax.Array]], PyTree],
+    ) -> dict[str, Any]:
+        """Numeric `eval_*` metrics of `params` (logged with the step's record): `put` places
+        this process's rows of a batch of N global rows on the mesh, `eval_step` runs
+        `eval_fn` there (outputs stay on the devices)."""
 
     def close(self) -> None: ...
 
 
 # ----------------------------------------------------------------------------------------------
 # The loop
+
+
+@dataclasses.dataclass(frozen=True)
+class DebugHooks:
+    """What the tests do to a run at a step (`config.debug.*`; 0: never): a preemption notice
+    after `sigterm_after_step` (process 0 gets SIGTERM, as one host of a pod), the process
+    killed right after the save of `sigkill_after_save_at_step` starts or after the one of
+    `sigkill_after_commit_at_step` commits."""
+
+    sigterm_after_step: int = 0
+    sigkill_after_save_at_step: int = 0
+    sigkill_after_commit_at_step: int = 0
+
+    @classmethod
+    def from_config(cls, config: Any) -> DebugHooks:
+        fields = (f.name for f in dataclasses.fields(cls))
+        return cls(**{name: int(config_field(config, f"debug.{name}", 0)) for name in fields})
+
+    def after_step(self, step: int) -> None:
+        if step == self.sigterm_after_step:
+            preemption.send_preemption_notice()
+
+    def after_save(self, step: int, checkpointer: checkpointing.Checkpointer) -> None:
+        if step == self.sigkill_after_save_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == self.sigkill_after_commit_at_step:
+            checkpointer.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclasses.dataclass
@@ -139,12 +177,13 @@ class Loop:
       objective: see `Objective`.
       config: the run's config; the loop reads `seed`, `log_every_steps`,
         `checkpoint_every_steps` (0: only the final and preemption saves),
-        `keep_checkpoints`, `resume_from` / `init_from` (where present) and `debug.*` hooks.
+        `keep_checkpoints` and `resume_from` / `init_from` (where present).
       workdir: where checkpoints and metrics go (local or gs://).
       mesh: the device mesh; the loop enters it (`jax.set_mesh`) for its whole life.
       peak: (peak FLOP/s of one chip, chips sharing the work) for MFU, or None.
       lease: the run's `workdir_lease` lease (process 0), checked before every save: a run
         whose lease another run took over stops instead of overwriting its checkpoints.
+      debug: the tests' kill hooks (`DebugHooks.from_config`), none by default.
     """
 
     def __init__(
@@ -155,9 +194,10 @@ class Loop:
         mesh: Mesh,
         peak: tuple[float | None, int] | None = None,
         lease: Any = None,
+        debug: DebugHooks | None = None,
     ):
         self.objective, self.config, self.workdir, self.mesh = objective, config, workdir, mesh
-        self.lease = lease
+        self.lease, self.debug = lease, debug or DebugHooks()
         self.total = objective.total_steps
         self.peak, self.chips = peak or (None, 0)
         # Everything the run opens is closed in reverse order by `close()`, or right here
@@ -316,7 +356,7 @@ class Loop:
         jax.block_until_ready(params)  # the training step is not evaluation time
         start = time.perf_counter()
         with jax.transfer_guard("allow"):  # evaluation gathers outputs on the host
-            metrics = self.objective.evaluate(self, params)
+            metrics = self.objective.evaluate(params, self.put, self.eval_step)
         self._eval_in_flight.clear()
         self._excluded += time.perf_counter() - start
         return metrics
@@ -353,11 +393,6 @@ class Loop:
             self.checkpointer.wait()
             return {**self.last_record, "step": start, "preempted": False,
                     "checkpoint_step": self.checkpointer.latest_step()}  # fmt: skip
-        sigterm_after = int(config_field(self.config, "debug.sigterm_after_step", 0))
-        sigkill_after_save = int(config_field(self.config, "debug.sigkill_after_save_at_step", 0))
-        sigkill_after_commit = int(
-            config_field(self.config, "debug.sigkill_after_commit_at_step", 0)
-        )
         single_process = jax.process_count() == 1
         # Single process: SIGTERM sets a flag read at step boundaries. Several: JAX's
         # preemption service owns SIGTERM and the processes agree on the save step (Orbax).
@@ -379,8 +414,7 @@ class Loop:
                     self._finish(pending)
                 self.checkpointer.check_for_errors()  # a failed background save stops the run
                 pending = _Pending(step, metrics)
-                if step == sigterm_after:
-                    preemption.send_preemption_notice()
+                self.debug.after_step(step)
                 preempted = signal_flag is not None and signal_flag.requested
                 save = preempted or step == total or self.checkpointer.should_save(step)
                 if save or self._eval_due(step):
@@ -400,11 +434,7 @@ class Loop:
                     pending = None
                     if save:
                         self._save(step, force=force)
-                        if step == sigkill_after_save:
-                            os.kill(os.getpid(), signal.SIGKILL)
-                        if step == sigkill_after_commit:
-                            self.checkpointer.wait()
-                            os.kill(os.getpid(), signal.SIGKILL)
+                        self.debug.after_save(step, self.checkpointer)
                 if not single_process and self.checkpointer.reached_preemption(step):
                     preempted = True
                 if preempted:
@@ -479,7 +509,11 @@ class Loop:
         self.writer.write(pending.step, record)
         self.last_record = record
         if jax.process_index() == 0:  # one progress line per step for the whole job
-            logging.info(metrics_writer.progress_line(pending.step, self.total, record, eta))
+            objective = self.objective
+            logging.info(metrics_writer.progress_line(
+                pending.step, self.total, record, eta, objective.progress_fields,
+                objective.eval_progress_fields,
+            ))  # fmt: skip
 
     def _diverged(self, step: int, values: dict[str, float], bad: list[str]) -> None:
         self.checkpointer.wait()  # the last good checkpoint must be committed before we name it

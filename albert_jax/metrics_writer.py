@@ -208,9 +208,22 @@ def format_duration(seconds: float) -> str:
     return f"{secs}s"
 
 
-def progress_line(step: int, total: int, metrics: Mapping[str, Any], eta_seconds: float | None):
+#: Pretraining's progress fields (label, metric key): `Objective.progress_fields` of its runs.
+PRETRAINING_FIELDS = (("loss", "loss"), ("mlm_acc", "mlm_accuracy"), ("sop_acc", "sop_accuracy"))
+
+
+def progress_line(
+    step: int,
+    total: int,
+    metrics: Mapping[str, Any],
+    eta_seconds: float | None,
+    fields: Sequence[tuple[str, str]] = PRETRAINING_FIELDS,
+    eval_fields: Sequence[tuple[str, str]] | None = None,
+) -> str:
     """`step 250/1500 | loss 6.12 | mlm_acc 0.14 | sop_acc 0.71 | 812 ex/s | MFU 3.1% | ETA 4m12s`
-    (parts whose value is missing are left out; eval results are appended)."""
+    with the objective's `fields` (label, key) of the training metrics and `eval_fields` of the
+    evaluation (default: `fields` with keys `eval_<key>`), appended after "eval". Parts whose
+    value is missing are left out: a metric the run cannot measure is not shown as 0."""
 
     def number(key: str, fmt: str) -> str | None:
         value = metrics.get(key)
@@ -219,30 +232,17 @@ def progress_line(step: int, total: int, metrics: Mapping[str, Any], eta_seconds
         return fmt.format(value)
 
     parts = [f"step {step}/{total}"]
-    for label, key, fmt in (
-        ("loss", "loss", "{:.3f}"),
-        ("mlm_acc", "mlm_accuracy", "{:.3f}"),
-        ("sop_acc", "sop_accuracy", "{:.3f}"),
-    ):
-        text = number(key, fmt)
-        if text is not None:
-            parts.append(f"{label} {text}")
+    parts += [f"{label} {text}" for label, key in fields if (text := number(key, "{:.3f}"))]
     if (rate := number("examples_per_sec", "{:.0f}")) is not None:
         parts.append(f"{rate} ex/s")
     if (mfu := metrics.get("mfu")) is not None and math.isfinite(mfu):
         parts.append(f"MFU {100 * mfu:.1f}%")
     if eta_seconds is not None:
         parts.append(f"ETA {format_duration(eta_seconds)}")
-    evals = [
-        f"{label} {text}"
-        for label, key in (
-            ("loss", "eval_loss"),
-            ("mlm_acc", "eval_mlm_accuracy"),
-            ("sop_acc", "eval_sop_accuracy"),
-        )  # fmt: skip
-        if (text := number(key, "{:.3f}")) is not None
-    ]
-    if evals:  # a metric the run cannot measure is left out, not shown as 0
+    if eval_fields is None:
+        eval_fields = [(label, f"eval_{key}") for label, key in fields]
+    evals = [f"{label} {text}" for label, key in eval_fields if (text := number(key, "{:.3f}"))]
+    if evals:
         parts.append("eval " + " ".join(evals))
     return " | ".join(parts)
 

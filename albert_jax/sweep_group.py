@@ -189,7 +189,7 @@ class GroupedPretraining(Pretraining):
             return super().data_state(step)
         return {"runs": [m.data_state(step) for m in self.members]}
 
-    def evaluate(self, loop: Loop, params: Any) -> dict[str, float]:
+    def evaluate(self, params: Any, put: Any, eval_step: Any) -> dict[str, float]:
         """Each run's eval metrics as `eval_<metric>/run_<i>`, with the baselines of its
         held-out set (shared, or each run's own: then every run is scored on each set and
         keeps its own set's sums)."""
@@ -198,9 +198,9 @@ class GroupedPretraining(Pretraining):
         for k, part in enumerate(sets):
             if part.placed_eval_batches is None:
                 batches = part.eval_batches
-                part.placed_eval_batches = [loop.put(b, int(self.config.batch_size))
-                                            for b in batches]  # fmt: skip
-            sums = sum_eval_batches(loop.eval_step, params, part.placed_eval_batches)
+                rows = int(self.config.batch_size)
+                part.placed_eval_batches = [put(b, rows) for b in batches]
+            sums = sum_eval_batches(eval_step, params, part.placed_eval_batches)
             runs = range(self.runs.n) if self.members is None else [k]
             for i in runs:
                 run = {**eval_metrics({n: v[i] for n, v in sums.items()}), **part.baselines}

@@ -45,7 +45,7 @@ from albert_jax import (
     train_state,
     workdir_lease,
 )
-from albert_jax.loop import Loop
+from albert_jax.loop import DebugHooks, Loop
 from albert_jax.model import flops
 from albert_jax.model.albert import AlbertForPreTraining, init_params
 from albert_jax.model.config import ModelConfig
@@ -106,7 +106,8 @@ def _train(
     mesh = create_mesh(layout.mesh_shape, devices=layout.devices, slices=slices)
     objective = make_objective(config, workdir, layout, mesh, tokenizer)
     peak = _peak_flops(model_config, mesh)
-    loop = Loop(objective, config, workdir, mesh, peak=peak, lease=lease)
+    debug = DebugHooks.from_config(config)
+    loop = Loop(objective, config, workdir, mesh, peak=peak, lease=lease, debug=debug)
     try:
         result = loop.run()
         if not result["preempted"]:
@@ -196,6 +197,8 @@ class Pretraining(PretrainingModel):
 
     final_eval = False  # evaluation only every `eval_every_steps` (and then at the end)
     task = None  # not a fine-tuning task
+    progress_fields = metrics_writer.PRETRAINING_FIELDS
+    eval_progress_fields = tuple((label, f"eval_{key}") for label, key in progress_fields)
     eval_reduces = True  # eval_fn returns weighted sums over the batch
 
     def __init__(self, config: Any, workdir: str, layout: RunLayout, mesh: Mesh, tokenizer: Any):
@@ -281,11 +284,11 @@ class Pretraining(PretrainingModel):
             "config": json.loads(self.config.to_json_best_effort()),
         }
 
-    def evaluate(self, loop: Loop, params: Any) -> dict[str, float]:
+    def evaluate(self, params: Any, put: Any, eval_step: Any) -> dict[str, float]:
         if self.placed_eval_batches is None:  # the held-out set goes to the devices once
             batches = self.eval_batches
-            self.placed_eval_batches = [loop.put(b, self.global_batch) for b in batches]
-        metrics = evaluate_batches(loop.eval_step, params, self.placed_eval_batches)
+            self.placed_eval_batches = [put(b, self.global_batch) for b in batches]
+        metrics = evaluate_batches(eval_step, params, self.placed_eval_batches)
         return {**metrics, **self.baselines}  # only what was measured
 
     def finish(self, loop: Loop, result: Mapping[str, Any]) -> None:

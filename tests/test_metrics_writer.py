@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from albert_jax import files
+from albert_jax import files, metrics_writer
 from albert_jax.metrics_writer import MetricsWriter, plot_learning_curve, read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,3 +102,17 @@ def test_bad_line_inside_the_file_names_file_and_line(tmp_path):
     path.write_text('{"step": 1, "loss": 3.0}\nnot json\n{"step": 2, "loss": 2.0}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not a JSON record"):
         read_metrics(str(tmp_path))
+
+
+def test_the_progress_line_takes_its_fields_from_the_objective():
+    record = {"loss": 0.5, "accuracy": 0.75, "examples_per_sec": 120.0, "eval_f1": 0.8,
+              "eval_exact_match": 0.7, "mlm_accuracy": 0.2}  # fmt: skip
+    line = metrics_writer.progress_line(
+        10, 20, record, 5.0, (("loss", "loss"), ("acc", "accuracy")),
+        (("em", "eval_exact_match"), ("f1", "eval_f1")),
+    )  # fmt: skip
+    expected = "step 10/20 | loss 0.500 | acc 0.750 | 120 ex/s | ETA 5s | eval em 0.700 f1 0.800"
+    assert line == expected
+    # Pretraining's by default: its eval fields are the training ones as eval_<key>.
+    line = metrics_writer.progress_line(3, 9, {"loss": 1.0, "eval_loss": 2.0}, None)
+    assert line == "step 3/9 | loss 1.000 | eval loss 2.000"
