@@ -35,7 +35,6 @@ from albert_jax.interop.hf_task_export import (
 )
 from albert_jax.interop.weight_names import unflatten_params
 from albert_jax.pretrained import read_checkpoint
-from albert_jax.tasks.batching import SMALLEST_BUCKET
 
 __all__ = ["PLATFORMS", "TASK_FIELDS", "export_artifact", "in_process"]
 
@@ -252,9 +251,9 @@ def export_artifact(
     directory.mkdir(parents=True, exist_ok=True)
     manifest = {**built.manifest, "platforms": list(platforms), "functions": {}}
     for name, function in built.functions.items():
-        # Serving cuts rows to `batching`'s buckets, never under the smallest: a lower bound
+        # Serving cuts batches to multiples of LENGTH_STEP, never under one: a lower bound
         # that lets beam heads take their top k of the s positions (k <= s).
-        shortest = min(SMALLEST_BUCKET, limit)
+        shortest = min(serving.LENGTH_STEP, limit)
         scope = export.SymbolicScope([f"s <= {limit}", f"s >= {shortest}"])
         weights = [jax.ShapeDtypeStruct(built.weights[k].shape, built.weights[k].dtype)
                    for k in function.weights]  # fmt: skip

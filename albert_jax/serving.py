@@ -34,9 +34,12 @@ task's eval file predicts as it is):
   span_v2          question, context -> answer ("" when judged unanswerable), best_span,
                    no_answer_probability
 
-Rows are sorted by length and cut to `tasks.batching`'s length buckets, so a batch of short
-sentences runs at 32 tokens, not max_seq_length; batches are padded to `batch_size` rows (a
-short last batch to the next power of two), bounding the shapes compiled.
+Rows are sorted by length, and each batch is cut to its longest row rounded up to a multiple
+of `LENGTH_STEP` tokens (at most max_seq_length), so a batch of short sentences runs at 16 or
+32 tokens, not max_seq_length; batches are padded to `batch_size` rows (a short last batch to
+the next power of two). The shapes compiled are bounded: max_seq_length / 16 lengths for each
+row count. Training buckets more coarsely (`tasks.batching`, powers of two) because each shape
+there is a compilation of the whole update; a served forward compiles in a fraction of that.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ import numpy as np
 from albert_jax import files
 from albert_jax.data.tokenizer import Tokenizer
 from albert_jax.files import BadRecordError
-from albert_jax.tasks.batching import Features, trim_to_bucket
+from albert_jax.tasks.batching import Features
 from albert_jax.tasks.classification import classification_features
 from albert_jax.tasks.json_records import text_field
 from albert_jax.tasks.multiple_choice import multiple_choice_features
@@ -68,6 +71,8 @@ FORMAT_VERSION = 1
 MANIFEST, WEIGHTS, TOKENIZER = "manifest.json", "weights.safetensors", "spiece.model"
 POOLINGS = ("cls", "mean")
 DEFAULT_BATCH_SIZE = 32
+#: Batches are cut to a multiple of this many tokens (the exported functions' shortest length).
+LENGTH_STEP = 16
 
 Function = Callable[[Mapping[str, np.ndarray]], Mapping[str, Any]]
 
@@ -159,7 +164,7 @@ class Served:
         gathered: dict[str, list[np.ndarray]] = {}
         for start in range(0, n, batch_size):
             rows = order[start : start + batch_size]
-            batch, _ = trim_to_bucket({k: v[rows] for k, v in arrays.items()}, sequence)
+            batch = _cut({k: v[rows] for k, v in arrays.items()}, sequence)
             padded = _pad_rows(batch, batch_size if n > batch_size else _pow2(len(rows)))
             out = self.functions[name](padded)
             for k, v in out.items():
@@ -175,6 +180,22 @@ class Served:
                 parts = [_pad_last(p, width, spec["masked_logit"]) for p in parts]
             result[k] = np.concatenate(parts)[inverse]
         return result
+
+
+def cut_length(longest: int, width: int) -> int:
+    """The length a batch whose longest row has `longest` tokens runs at: the next multiple of
+    `LENGTH_STEP` (at least one step), at most `width` (max_seq_length)."""
+    return min(max(-(-longest // LENGTH_STEP), 1) * LENGTH_STEP, width)
+
+
+def _cut(batch: Mapping[str, np.ndarray], sequence: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The batch with its `sequence` arrays ([B, ..., S]) cut to `cut_length` of its longest
+    row: rows are padded at the end, so the cut columns hold only padding."""
+    mask = batch["input_mask"]
+    width = mask.shape[-1]
+    used = np.flatnonzero(mask.reshape(-1, width).any(axis=0))
+    length = cut_length(int(used[-1]) + 1 if len(used) else 1, width)
+    return {k: v[..., :length] if k in sequence else v for k, v in batch.items()}
 
 
 def _pow2(n: int) -> int:
