@@ -88,6 +88,17 @@ def squad(tmp_path_factory, shared_data):
     )  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def squad_v2(tmp_path_factory, shared_data):
+    """A SQuAD v2 head (XLNet's beam), evaluated untrained (its head saved as the run's
+    model)."""
+    return _run(
+        tmp_path_factory, shared_data, "squad_v2", "squad_v2", "squad_shifts",
+        num_train_steps=0, eval_batch_size=8, max_seq_length=64, doc_stride=32,
+        max_query_length=16, **{"data.max_train_examples": 8, "data.max_eval_examples": 4},
+    )  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------- helpers
 @contextlib.contextmanager
 def transformers_warnings():
@@ -310,33 +321,39 @@ def test_span_head_exports_to_question_answering(squad, tmp_path):
     mine = ours(workdir, config, arrays)
     with torch.no_grad():
         out = model(**torch_inputs(arrays))
-    real = arrays["input_mask"].astype(bool)  # ours gives padding -1e30; HF scores it
-    theirs = {}
-    diff = 0.0
-    for name in ("start_logits", "end_logits"):
-        logits = getattr(out, name).numpy()
+    assert_spans_match({k: getattr(out, k).numpy() for k in SPAN_LOGITS}, mine, features,
+                       config, workdir)  # fmt: skip
+
+
+SPAN_LOGITS = ("start_logits", "end_logits")
+
+
+def assert_spans_match(theirs: dict, mine: dict, features, config, workdir: str) -> None:
+    """Another runtime's span logits ({name: [F, S'] for S' <= S}, padding scored, not masked)
+    equal ours at the real tokens within TOLERANCE, and give the answers the run's own
+    evaluation wrote (predictions.json)."""
+    real = features.arrays["input_mask"].astype(bool)  # ours gives padding -1e30
+    masked, diff = {}, 0.0
+    for name in SPAN_LOGITS:
+        logits = np.full(real.shape, -1e30, np.float32)
+        logits[:, : theirs[name].shape[1]] = theirs[name]
         diff = max(diff, float(np.max(np.abs(logits - mine[name])[real])))
-        theirs[name] = np.where(real, logits, -1e30)
-    print(f"squad_shifts: {real.shape[0]} windows, max |logit diff| {diff:.2e}")
+        masked[name] = np.where(real, logits, -1e30)
+    print(f"squad_shifts: {len(real)} windows, max |logit diff| {diff:.2e}")
     assert diff < TOLERANCE
     answers = predict_v1(
-        features, theirs["start_logits"], theirs["end_logits"], config.n_best_size,
+        features, masked["start_logits"], masked["end_logits"], config.n_best_size,
         config.max_answer_length,
     ).answers  # fmt: skip
     with open(os.path.join(workdir, "predictions.json")) as f:
         assert answers == json.load(f)
 
 
-def test_bad_exports_are_one_line_errors(sentiment, tmp_path_factory, shared_data, tmp_path):
+def test_bad_exports_are_one_line_errors(sentiment, squad_v2, tmp_path):
     from albert_jax.model.albert import AlbertForPreTraining, init_params
 
     workdir, _ = sentiment
-    # A SQuAD v2 run (evaluation only: its head, saved as the run's model).
-    v2, _ = _run(
-        tmp_path_factory, shared_data, "squad_v2", "squad_v2", "squad_shifts",
-        num_train_steps=0, eval_batch_size=8, max_seq_length=64, doc_stride=32,
-        max_query_length=16, **{"data.max_train_examples": 8, "data.max_eval_examples": 4},
-    )  # fmt: skip
+    v2, _ = squad_v2
     # A pretraining-only checkpoint: a model dir of the tiny model.
     checkpoint = read_checkpoint(workdir, run_seed=0)
     pretrained = tmp_path / "pretrained"

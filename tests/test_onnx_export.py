@@ -17,6 +17,7 @@ import numpy as np
 from conftest import REPO, run_convert
 from test_hf_export import (
     TOLERANCE,
+    assert_spans_match,
     cosmos,  # noqa: F401 (a fixture)
     ours,
     read_jsonl,
@@ -29,7 +30,6 @@ from albert_jax.interop.hf_task_export import export_hf_task_model, fine_tuning_
 from albert_jax.interop.onnx_export import INPUTS, ONNX_FILE, OPSET, export_onnx
 from albert_jax.pretrained import read_checkpoint
 from albert_jax.tasks import registry
-from albert_jax.tasks.squad_predictions import predict_v1
 
 # Our feature names -> the ONNX graph's inputs (HF's names).
 FEEDS = {"input_ids": "input_ids", "input_mask": "attention_mask", "segment_ids": "token_type_ids"}
@@ -183,19 +183,4 @@ def test_span_head_exports_to_onnx(squad, tmp_path):  # noqa: F811
     arrays = features.arrays
     mine = ours(workdir, config, arrays)
     out = onnx_outputs(session(path), arrays, slice(None))
-    width = arrays["input_ids"].shape[1]
-    real = arrays["input_mask"].astype(bool)  # ours gives padding -1e30; HF scores it
-    theirs, diff = {}, 0.0
-    for name in ("start_logits", "end_logits"):
-        logits = np.full((len(real), width), -1e30, np.float32)
-        logits[:, : out[name].shape[1]] = out[name]
-        diff = max(diff, float(np.max(np.abs(logits - mine[name])[real])))
-        theirs[name] = np.where(real, logits, -1e30)
-    print(f"squad_shifts: {len(real)} windows, max |logit diff| {diff:.2e}")
-    assert diff < TOLERANCE
-    answers = predict_v1(
-        features, theirs["start_logits"], theirs["end_logits"], config.n_best_size,
-        config.max_answer_length,
-    ).answers  # fmt: skip
-    with open(os.path.join(workdir, "predictions.json")) as f:
-        assert answers == json.load(f)
+    assert_spans_match(out, mine, features, config, workdir)

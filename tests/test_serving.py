@@ -18,28 +18,18 @@ import pytest
 from conftest import REPO, run_cli
 from test_finetune import task_files
 from test_hf_export import (  # noqa: F401
-    _run,
     cosmos,
     read_jsonl,
     sentiment,
     sentiment_score,
     squad,
+    squad_v2,
 )
 
 from albert_jax import export, predict, serving
 from albert_jax.tasks import local
 
 CLOSE = 1e-5  # fp32: the artifact against the jitted model in process
-
-
-@pytest.fixture(scope="module")
-def squad_v2(tmp_path_factory, shared_data):
-    """A SQuAD v2 head (XLNet's beam), evaluated untrained: test_hf_export's run."""
-    return _run(
-        tmp_path_factory, shared_data, "squad_v2", "squad_v2", "squad_shifts",
-        num_train_steps=0, eval_batch_size=8, max_seq_length=64, doc_stride=32,
-        max_query_length=16, **{"data.max_train_examples": 8, "data.max_eval_examples": 4},
-    )  # fmt: skip
 
 
 def dev_records(shared_data: str, task: str) -> list[dict]:
