@@ -41,15 +41,16 @@ from absl import logging
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
-from albert_jax import cli, files
-from albert_jax.checkpoint_dirs import (
+from albert_jax import files
+from albert_jax.model.config import ModelConfig
+from albert_jax.runtime import cli
+from albert_jax.runtime.checkpoint_dirs import (
     ITEMS,
     checkpoint_dir,
     latest_committed_step,
     read_item_numpy,
     read_json_item,
 )
-from albert_jax.model.config import ModelConfig
 
 TOKENIZER_FILE = "tokenizer.model"
 

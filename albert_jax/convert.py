@@ -266,7 +266,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from albert_jax import cli
+    from albert_jax.runtime import cli
 
     _define_flags()
     cli.run(main)

@@ -142,7 +142,7 @@ def _task(run: FineTunedRun, checkpoint: Any) -> tuple[dict[str, Any], _Function
     """The manifest's task entries and the prediction function of a fine-tuning run."""
     import ml_collections
 
-    from albert_jax.finetune import build_model
+    from albert_jax.finetune.train import build_model
     from albert_jax.tasks.kinds import get_kind
     from albert_jax.tasks.registry import get_task
 
@@ -319,7 +319,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from albert_jax import cli
+    from albert_jax.runtime import cli
 
     _define_flags()
     cli.run(main)

@@ -115,7 +115,7 @@ def as_path(path: PathLike) -> epath.Path:
     """`epath.Path` of `absolute(path)`. A remote path loads TensorFlow (epath's client for
     object stores) first, through `process_setup`: without its C++ notices on the console."""
     if not is_local(path) and "tensorflow" not in sys.modules:
-        from albert_jax.process_setup import hide_accelerators_from_tensorflow
+        from albert_jax.runtime.process_setup import hide_accelerators_from_tensorflow
 
         hide_accelerators_from_tensorflow()
     return epath.Path(absolute(path))

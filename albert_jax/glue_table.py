@@ -25,7 +25,8 @@ from typing import Any
 
 from absl import app, flags, logging
 
-from albert_jax import cli, files, process_setup
+from albert_jax import files
+from albert_jax.runtime import cli, process_setup
 from configs import finetune as finetune_configs
 
 RESULTS_FILE = "eval_results.json"  # = finetune.EVAL_RESULTS_FILE (not imported: jax-free)
@@ -223,15 +224,16 @@ def run_table(init: str, tasks: Sequence[str], workdir: str, overrides: Sequence
     """Fine-tunes `init` on each task in WORKDIR/<task>, writes WORKDIR/glue_table.{md,json}
     (process 0) after every task and returns the table (the JSON's content).
 
-    A sweep (`albert_jax.sweep`) with the task as the swept config arg, its points named by
+    A sweep (`albert_jax.sweep.runner`) with the task as the swept config arg, its points named by
     the task: every config is built before anything runs (a bad override or task fails at
     once); a finished task is read, not re-run; a task whose directory holds a run of another
     config (another init, other overrides) is refused before anything runs, naming both; a
     failed task is recorded and the others go on; a preemption stops the sweep, and the same
     command resumes it.
     """
-    from albert_jax import sweep, sweep_table
-    from albert_jax.sweep_grid import Point
+    from albert_jax.sweep import runner as sweep
+    from albert_jax.sweep import table as sweep_table
+    from albert_jax.sweep.grid import Point
 
     configs = [task_config(t, init, overrides, num_seeds=num_seeds, local_data=local_data)
                for t in tasks]  # fmt: skip
@@ -259,7 +261,7 @@ def run_table(init: str, tasks: Sequence[str], workdir: str, overrides: Sequence
 def task_entry(task: str, workdir: str, reused: bool) -> dict[str, Any]:
     """A task's entry of the table, from its workdir: the score of its eval_results.json
     (`read_score`), or its status and error as the sweep recorded them."""
-    from albert_jax import sweep_table
+    from albert_jax.sweep import table as sweep_table
 
     entry: dict[str, Any] = {"task": task, "column": HEADLINES[task].column, "workdir": workdir}
     point = sweep_table.read_point(workdir) or {}

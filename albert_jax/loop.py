@@ -40,16 +40,10 @@ import optax
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from albert_jax import (
-    checkpointing,
-    compile_cache,
-    metrics_writer,
-    preemption,
-    resume,
-    trees,
-)
+from albert_jax import checkpointing, metrics_writer, resume, trees
 from albert_jax.model import flops
 from albert_jax.run_config import config_field, write_run_config
+from albert_jax.runtime import compile_cache, preemption
 from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, put_batch
 from albert_jax.train_state import TrainState, create_state, jit_step
 

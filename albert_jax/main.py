@@ -15,7 +15,7 @@ after a step for the next (`process_setup.set_up_process`).
 A run that cannot go on (a refused config value, an unreadable file, a failed checkpoint, a
 diverged loss, a workdir another run holds) ends with one line `error: <message>` on stderr and
 exit status 1, without waiting for checkpoint uploads still pending; `ALBERT_TRACEBACK=1` adds
-the traceback (`albert_jax.cli`).
+the traceback (`albert_jax.runtime.cli`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import ConfigDict, config_flags
 
-from albert_jax import cli, process_setup
+from albert_jax.runtime import cli, process_setup
 
 FLAGS = flags.FLAGS
 
@@ -81,11 +81,11 @@ def main(argv: list[str]) -> None:
     )
     if is_fine_tuning(config):
         # Fine-tuning lives in its own module (lazy import: pretraining does not need it).
-        from albert_jax import finetune
+        from albert_jax.finetune import train as finetune
 
         result = finetune.finetune_and_evaluate(config, FLAGS.workdir)
     else:
-        from albert_jax import train
+        from albert_jax.pretrain import train
 
         result = train.train_and_evaluate(config, FLAGS.workdir)
     if isinstance(result, dict) and result.get("preempted"):

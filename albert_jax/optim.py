@@ -1,5 +1,5 @@
 """Optimizers for ALBERT: LAMB for pretraining, AdamW for fine-tuning, their schedules and
-clipping (gradient accumulation over microbatches: `accumulation.py`).
+clipping (gradient accumulation over microbatches: `train_state.accumulate_gradients`).
 
 Both optimizers follow the official TF code (google-research/albert `lamb_optimizer.py`,
 `optimization.py`; BERT's `AdamWeightDecayOptimizer`) rather than the textbook versions:

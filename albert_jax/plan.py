@@ -76,8 +76,12 @@ def make_target(tpu: str, num_slices: int = 1) -> Target:
 def _pretraining(config: Any, target: Target) -> tuple[Any, Any, dict[str, Any], float]:
     """(objective, mesh, abstract batch spec {name: (shape, dtype)}, model FLOPs a step)."""
     from albert_jax.model.albert import AlbertForPreTraining
-    from albert_jax.train import PretrainingModel, pretraining_batch_shapes, train_step_flops
-    from albert_jax.train_config import validate_config
+    from albert_jax.pretrain.settings import validate_config
+    from albert_jax.pretrain.train import (
+        PretrainingModel,
+        pretraining_batch_shapes,
+        train_step_flops,
+    )
 
     layout = validate_config(config, devices=target.devices, processes=target.processes)
     mesh = slice_mesh(layout.mesh_shape, target.devices, target.num_slices)
@@ -92,10 +96,10 @@ def _fine_tuning(config: Any, target: Target) -> tuple[Any, Any, dict[str, Any],
     """A fine-tuning config's task model from the config alone: the `size` preset with
     `config.model` (a checkpoint's config is not read), unpacked batches of `batch_size` rows a
     seed at `max_seq_length`, the schedule over `num_train_steps`."""
-    from albert_jax import finetune_config
+    from albert_jax.finetune import settings as finetune_config
+    from albert_jax.finetune.task_model import TaskModel
     from albert_jax.model.config import ModelConfig
     from albert_jax.run_config import mesh_layout
-    from albert_jax.task_model import TaskModel
     from albert_jax.tasks.kinds import get_kind
 
     task = finetune_config.validate_config(config)
@@ -421,8 +425,8 @@ def _print_human(report: dict[str, Any]) -> None:
 def main() -> None:
     """The CLI (absl: `--help` lists the flags). Exit status 0: fits; 1: does not fit (the
     compiler's message printed); 2: a config or `--tpu` that cannot be planned (one line
-    `error: ...` naming the field; `albert_jax.cli`)."""
-    from albert_jax import cli
+    `error: ...` naming the field; `albert_jax.runtime.cli`)."""
+    from albert_jax.runtime import cli
 
     environment_for_tpu_compile()
     _define_flags()

@@ -38,8 +38,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from albert_jax import checkpoint_dirs, files
-from albert_jax.checkpoint_dirs import CHECKPOINTS_DIR
+from albert_jax import files
 from albert_jax.checkpointing import TOKENIZER_FILE, checkpoint_meta
 from albert_jax.interop.hf_checkpoint import HF_WEIGHT_FILES, load_hf_checkpoint
 from albert_jax.interop.tf1_checkpoint import (
@@ -56,6 +55,8 @@ from albert_jax.interop.weight_names import (
 )
 from albert_jax.model.albert import AlbertForPreTraining, init_params
 from albert_jax.model.config import ModelConfig, save_json
+from albert_jax.runtime import checkpoint_dirs
+from albert_jax.runtime.checkpoint_dirs import CHECKPOINTS_DIR
 
 __all__ = [
     "Pretrained",

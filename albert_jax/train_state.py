@@ -16,7 +16,7 @@ is the one-seed update under `jax.vmap`, so clipping, the optimizer and the norm
 The batch holds the N seeds' rows interleaved (row b of seed i at b * N + i: each data shard
 keeps all seeds of its rows, so splitting the axis needs no communication).
 
-A sweep group (`albert_jax.sweep_group`) is the same leading axis seen as runs (`Runs`): each run
+A sweep group (`albert_jax.sweep.group`) is the same leading axis seen as runs (`Runs`): each run
 its own init seed, its own values of the optimizer's per-run fields (`optim.PER_RUN_FIELDS`:
 learning rate, warmup, weight decay, ...; traced scalars inside the vmapped update, so one
 program serves them all) and, with `shared_batch`, one batch that every run trains on (the
@@ -37,7 +37,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from albert_jax import accumulation, optim, trees
+from albert_jax import optim, trees
 from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding
 
 PyTree = Any
@@ -210,6 +210,86 @@ def create_state(
     return StateLayout(tx, abstract, shardings, initialize, runs, tx_for)
 
 
+# ----------------------------------------------------------------------------------------------
+# Gradient accumulation: one update's gradient as the mean over microbatches of the batch, so
+# that a global batch of any size fits any mesh (`config.microbatches`).
+
+
+def _split_microbatches(batch: PyTree, num_microbatches: int) -> PyTree:
+    def split(path, x):
+        if jnp.ndim(x) == 0 or x.shape[0] % num_microbatches:
+            raise ValueError(
+                f"num_microbatches={num_microbatches} must divide the leading batch axis of "
+                f"batch[{trees.path_to_str(path)!r}] (shape {jnp.shape(x)})"
+            )
+        # Microbatch i takes rows i, i+n, i+2n, ...: with the batch sharded in contiguous blocks
+        # over the data axis, every device then keeps an equal, local share of each microbatch
+        # (a [n, B/n] split would put whole microbatches on a few devices).
+        x = x.reshape((x.shape[0] // num_microbatches, num_microbatches) + x.shape[1:])
+        return jnp.swapaxes(x, 0, 1)
+
+    return jax.tree_util.tree_map_with_path(split, batch)
+
+
+def _accumulation_dtype(x: jax.ShapeDtypeStruct) -> jnp.dtype:
+    # Sum in float32 whatever the gradient dtype: adding many bf16 microbatch gradients loses
+    # the small ones.
+    return jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+
+
+def accumulate_gradients(
+    loss_and_grad_fn: Callable[[PyTree, PyTree, jax.Array | None], tuple[tuple[Any, Any], PyTree]],
+    params: PyTree,
+    batch: PyTree,
+    num_microbatches: int,
+    rng: jax.Array | None,
+) -> tuple[jax.Array, PyTree, PyTree]:
+    """Runs `loss_and_grad_fn` on `num_microbatches` slices of the batch and averages.
+
+    Args:
+      loss_and_grad_fn: (params, microbatch, rng) -> ((loss, aux), grads), e.g.
+        `jax.value_and_grad(loss_fn, has_aux=True)`.
+      params: params pytree.
+      batch: pytree of arrays with a common leading batch axis B (divisible by num_microbatches).
+      num_microbatches: n ≥ 1; each call sees B/n examples, so peak activation memory is 1/n.
+      rng: PRNG key or None; microbatch i gets `fold_in(rng, i)`.
+    Returns:
+      (loss, aux, grads): means over microbatches of loss, floating aux leaves and grads (integer
+      aux leaves, e.g. counts, are summed). For a loss that is a mean over examples this equals
+      the full-batch result. The official MLM loss Σw·nll/Σw is averaged per microbatch instead,
+      as the official TPU code averages it per core.
+    """
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
+        raise ValueError(f"num_microbatches must be an int, got {num_microbatches!r}")
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    if num_microbatches == 1:
+        (loss, aux), grads = loss_and_grad_fn(params, batch, rng)
+        return loss, aux, grads
+
+    microbatches = _split_microbatches(batch, num_microbatches)
+    first = jax.tree.map(lambda x: x[0], microbatches)
+    out_shape = jax.eval_shape(loss_and_grad_fn, params, first, rng)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, _accumulation_dtype(s)), out_shape)
+
+    def step(total, xs):
+        index, microbatch = xs
+        key = None if rng is None else jax.random.fold_in(rng, index)
+        out = loss_and_grad_fn(params, microbatch, key)
+        return jax.tree.map(lambda t, o: t + o.astype(t.dtype), total, out), None
+
+    indices = jnp.arange(num_microbatches)
+    total, _ = jax.lax.scan(step, zeros, (indices, microbatches))
+
+    def mean(t, s):
+        if jnp.issubdtype(s.dtype, jnp.floating):
+            return (t / num_microbatches).astype(s.dtype)
+        return t
+
+    (loss, aux), grads = jax.tree.map(mean, total, out_shape)
+    return loss, aux, grads
+
+
 def make_step(
     loss_fn: Callable[[PyTree, Any, jax.Array], tuple[jax.Array, dict[str, jax.Array]]],
     tx: optax.GradientTransformation,
@@ -235,8 +315,7 @@ def make_step(
     def update(params, opt_state, step, batch, dropout_key, per_run):
         rng = jax.random.fold_in(dropout_key, step)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        accumulate = accumulation.accumulate_gradients
-        _, metrics, grads = accumulate(grad_fn, params, batch, microbatches, rng)
+        _, metrics, grads = accumulate_gradients(grad_fn, params, batch, microbatches, rng)
         run_tx = tx if per_run is None or tx_for is None else tx_for(per_run)
         updates, opt_state = run_tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)

@@ -26,9 +26,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from albert_jax.losses import masked_lm_loss, sentence_order_loss  # noqa: E402
 from albert_jax.model.albert import AlbertForPreTraining, init_params  # noqa: E402
 from albert_jax.model.config import ModelConfig  # noqa: E402
+from albert_jax.model.losses import masked_lm_loss, sentence_order_loss  # noqa: E402
 from albert_jax.optim import lamb, warmup_polynomial_decay  # noqa: E402
 
 DEPTHS = (12, 48, 96)

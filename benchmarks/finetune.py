@@ -8,7 +8,7 @@ and the same hyperparameters (the paper's SST-2 preset: batch 32, ALBERT dropout
 dropout 0.1, AdamW, clip 1.0, linear warmup / decay), at `max_seq_length` 512 and 128. Every
 contender trains on the same rows in the same steps:
 
-- ours: the real fine-tuning code path. `albert_jax.finetune.FineTuning` built from
+- ours: the real fine-tuning code path. `albert_jax.finetune.train.FineTuning` built from
   `configs/finetune.py:task=sentiment_rt`, the state of `train_state.create_state`, and
   `train_state.make_step(objective.loss, ...)` jitted as `albert_jax/loop.py` jits it (in/out
   shardings, state donated, under `jax.set_mesh` and the logical axis rules); each step's
@@ -82,11 +82,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import logging  # noqa: E402
 
-from albert_jax import process_setup  # noqa: E402
-from albert_jax.finetune import FineTuning  # noqa: E402
-from albert_jax.finetune_config import optimizer_config, validate_config  # noqa: E402
+from albert_jax.finetune.settings import optimizer_config, validate_config  # noqa: E402
+from albert_jax.finetune.train import FineTuning  # noqa: E402
 from albert_jax.interop.hf_checkpoint import to_hf_config  # noqa: E402
 from albert_jax.run_config import mesh_layout  # noqa: E402
+from albert_jax.runtime import process_setup  # noqa: E402
 from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, create_mesh, put_batch  # noqa: E402
 from albert_jax.tasks.batching import train_batch, trim_to_bucket  # noqa: E402
 from albert_jax.train_state import create_state, make_step  # noqa: E402

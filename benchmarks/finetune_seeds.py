@@ -39,7 +39,7 @@ from typing import Any
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from albert_jax import process_setup  # noqa: E402
+from albert_jax.runtime import process_setup  # noqa: E402
 
 process_setup.keep_freed_host_memory()  # as the entry points do, before any backend starts
 
@@ -47,9 +47,10 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 from absl import logging  # noqa: E402
 
-from albert_jax import finetune, seeds  # noqa: E402
-from albert_jax.finetune import FineTuning  # noqa: E402
-from albert_jax.finetune_config import validate_config  # noqa: E402
+from albert_jax.finetune import seeds  # noqa: E402
+from albert_jax.finetune import train as finetune  # noqa: E402
+from albert_jax.finetune.settings import validate_config  # noqa: E402
+from albert_jax.finetune.train import FineTuning  # noqa: E402
 from albert_jax.run_config import mesh_layout  # noqa: E402
 from albert_jax.sharding import (  # noqa: E402
     LOGICAL_AXIS_RULES,

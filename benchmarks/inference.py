@@ -131,8 +131,8 @@ def read_sentences(path: str) -> list[str]:
 def _build_run(data: str, vocab_size: int, workdir: str) -> None:
     """The fine-tuned ALBERT-base classifier in WORKDIR/finetune (a spawned process: the
     training program and its memory do not stay in the timed process)."""
-    from albert_jax import finetune
     from albert_jax.data.tokenizer import train_tokenizer
+    from albert_jax.finetune import train as finetune
     from configs import finetune as finetune_configs
 
     task_dir = os.path.join(data, "tasks", TASK)

@@ -28,12 +28,13 @@ def start(args: argparse.Namespace) -> dict[str, float]:
     import flax.linen as nn
     import jax
 
-    from albert_jax import compile_cache, train_state
+    from albert_jax import train_state
     from albert_jax.model.albert import AlbertForPreTraining
+    from albert_jax.pretrain.settings import validate_config
+    from albert_jax.pretrain.train import PretrainingModel, pretraining_batch_shapes
     from albert_jax.run_config import with_fields
+    from albert_jax.runtime import compile_cache
     from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, create_mesh
-    from albert_jax.train import PretrainingModel, pretraining_batch_shapes
-    from albert_jax.train_config import validate_config
     from configs import pretrain
 
     config = with_fields(

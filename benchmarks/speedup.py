@@ -2,7 +2,7 @@
 relative to BERT-large.
 
 `python benchmarks/speedup.py --json` prints one JSON line (the table goes to stderr).
-Every model runs the pretraining step `train_and_evaluate` runs (`albert_jax.train`: forward,
+Every model runs the pretraining step of `train_and_evaluate` (`albert_jax.pretrain.train`: forward,
 backward of MLM on `--preds` masked positions + SOP, global-norm clip, LAMB over all
 parameters; the default config: `nn.scan` over the layers, `remat_policy="dots"`, no dropout)
 on one device, at `--batch` sequences of `--seq_len` tokens, on the same synthetic batch:
@@ -45,10 +45,10 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from albert_jax import train  # noqa: E402
 from albert_jax.model import flops
 from albert_jax.model.albert import AlbertForPreTraining  # noqa: E402
 from albert_jax.model.config import model_config_from  # noqa: E402
+from albert_jax.pretrain import train  # noqa: E402
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh  # noqa: E402
 from benchmarks.train_step import make_batch, paired_ratio  # noqa: E402
 from configs import pretrain  # noqa: E402

@@ -8,7 +8,7 @@ sentence-order loss, then an AdamW update. After `--warmup` untimed steps each, 
 take turns, one step each, for `--steps` rounds, and the median step time of each is reported:
 interleaving spreads the drift of a shared machine over all of them, so same-run ratios hold.
 
-- ours: `albert_jax.train.make_train_step` (the step `train_and_evaluate` runs) on one device,
+- ours: `pretrain.train.make_train_step` (the step `train_and_evaluate` runs) on one device,
   with the optimizer switched to AdamW; the MLM head runs on the gathered masked positions only,
   and the last layer on the 1 + P rows the heads read ([CLS] and the masked positions).
   Measured twice: the default config (`nn.scan` over the layers, `remat_policy="dots"`) and
@@ -77,10 +77,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from albert_jax import train  # noqa: E402
 from albert_jax.model import flops
 from albert_jax.model.albert import AlbertForPreTraining  # noqa: E402
 from albert_jax.model.config import ModelConfig, model_config_from  # noqa: E402
+from albert_jax.pretrain import train  # noqa: E402
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh  # noqa: E402
 from benchmarks import kerashub_peer, torch_peer, trace_summary  # noqa: E402
 from configs import pretrain  # noqa: E402

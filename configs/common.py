@@ -117,7 +117,7 @@ def add_loop(
     c.checkpoint_every_steps = checkpoint_every_steps
     c.keep_checkpoints = keep_checkpoints  # keep the last k
     c.resume_strict = False  # an unreadable latest checkpoint stops the run (else: the one before)
-    # JAX's persistent compilation cache (albert_jax.compile_cache): "" = WORKDIR/compilation_cache
+    # JAX's persistent compilation cache (runtime/compile_cache.py): "" = WORKDIR/compilation_cache
     # (or $JAX_COMPILATION_CACHE_DIR), a path (local or gs://), or "none". A restart reads its
     # compiled programs from there instead of compiling again.
     c.compilation_cache_dir = ""

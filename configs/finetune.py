@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from albert_jax import line_reading
+from albert_jax.data import line_reading
 from configs.common import add_loop, add_mesh, add_optimizer, parse_arg
 
 # name: (learning_rate, batch_size, num_train_steps, warmup_steps, max_seq_length, dropout);

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from albert_jax import line_reading
+from albert_jax.data import line_reading
 from albert_jax.model.config import ModelConfig
 from configs.common import add_loop, add_mesh, add_optimizer, parse_arg
 

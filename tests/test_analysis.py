@@ -18,20 +18,17 @@ import pytest
 from test_finetune import task_files, tiny_scratch_config
 from test_sop_diagnostics import sop_run
 
-from albert_jax import (
-    checkpoint_dirs,
-    finetune,
-    finetune_config,
-    metrics_writer,
-    train,
-    trees,
-)
+from albert_jax import metrics_writer, trees
 from albert_jax.analysis import depth, heldout, layer_transitions
+from albert_jax.finetune import settings as finetune_config
+from albert_jax.finetune import train as finetune
 from albert_jax.model.albert import AlbertForPreTraining, AlbertModel, init_params
 from albert_jax.model.config import ModelConfig
+from albert_jax.pretrain import train
+from albert_jax.pretrain.settings import validate_config
 from albert_jax.pretrained import save_model_dir
 from albert_jax.resume import load_params_only
-from albert_jax.train_config import validate_config
+from albert_jax.runtime import checkpoint_dirs
 from configs.pretrain import get_config as pretrain_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -29,7 +29,7 @@ from albert_jax.data.builders import (
     counters,
 )
 from albert_jax.data.builders.base import Tally, _title_hash, in_validation
-from albert_jax.line_reading import LineLimits
+from albert_jax.data.line_reading import LineLimits
 
 WIKI_SAMPLE = "corpora/enwiki-sample-pages-articles.xml.bz2"
 
@@ -577,7 +577,8 @@ def test_a_gigabyte_corpus_line_is_skipped_in_bounded_memory(tmp_path):
 def test_pretraining_config_sets_the_read_bounds(tmp_path):
     # config.data.max_line_bytes / max_blank_lines reach the build (prepare.build_sources, as
     # a training run calls it), and bad values fail the config check, naming the field.
-    from albert_jax import prepare, train_config
+    from albert_jax.pretrain import prepare
+    from albert_jax.pretrain import settings as train_config
     from configs.pretrain import get_config
 
     raw = tmp_path / "raw.txt"

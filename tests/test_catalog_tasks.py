@@ -46,7 +46,8 @@ from test_finetune import (
     tiny_tokenizer_path,
 )
 
-from albert_jax import checkpointing, files, finetune
+from albert_jax import checkpointing, files
+from albert_jax.finetune import train as finetune
 from albert_jax.tasks import local, registry
 
 

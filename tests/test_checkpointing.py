@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from albert_jax import checkpoint_dirs, checkpointing, preemption
+from albert_jax import checkpointing
 from albert_jax.model.albert import AlbertForPreTraining, init_params
 from albert_jax.model.config import ModelConfig
+from albert_jax.runtime import checkpoint_dirs, preemption
 from albert_jax.sharding import create_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""`albert_jax.cli`: how the command-line programs end on an error, run as the user runs them
+"""`runtime.cli`: how the command-line programs end on an error, run as the user runs them
 (`python -m ...` in a subprocess): an expected error in one line `error: <message>` that ends
 stderr, exit status 1 (plan: 2), the traceback only with ALBERT_TRACEBACK=1; a bug keeps its
 traceback; and the process ends even while a thread that never finishes is alive."""
@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO
 from test_train import small_overrides, tiny_command
 
-from albert_jax import cli
+from albert_jax.runtime import cli
 
 # `python -m albert_jax.main` with a thread that never ends and keeps printing to stderr, as
 # Orbax's writers do once Cloud Storage stopped answering: the interpreter's shutdown waits for
@@ -97,7 +97,7 @@ def test_a_bug_keeps_its_traceback(tmp_path):
 
 
 def test_exit_does_not_wait_for_a_stuck_thread(tmp_path):
-    """Before albert_jax.cli the interpreter waited for the thread forever (the timeout here)."""
+    """Before runtime.cli the interpreter waited for the thread forever (the timeout here)."""
     args = main_args(tmp_path, "--config.learning_rate=-1")
     proc = run("-c", _MAIN_BESIDE_A_STUCK_THREAD, *args[2:], timeout=60)
     assert "upload: still waiting" in proc.stderr  # the thread ran beside the error
@@ -179,7 +179,8 @@ def test_a_file_that_is_no_tokenizer_is_refused_naming_it_and_not_copied(tmp_pat
 # did: a storage outage took 2 minutes from the failed save to the exit (#66 case 9).
 _FAILED_SAVE_THEN_A_STUCK_CLEANUP = """
 import sys, time
-from albert_jax import checkpointing, cli
+from albert_jax import checkpointing
+from albert_jax.runtime import cli
 
 def main(argv):
     checkpointer = checkpointing.Checkpointer(sys.argv[1])

@@ -13,7 +13,7 @@ import pytest
 from conftest import local_or_gcs_workdir
 from test_train import REPO, small_overrides, tiny_command
 
-from albert_jax import compile_cache
+from albert_jax.runtime import compile_cache
 
 COMPILATION = re.compile(r"compilation: (\d+) programs in ([\d.]+) s \((\d+) read from")
 

@@ -17,7 +17,7 @@ import sys
 import pytest
 from test_train import REPO
 
-from albert_jax import console
+from albert_jax.runtime import console
 
 # What a machine without a TPU printed before: libtpu's initialisation and JAX's failed start
 # of a TPU backend.

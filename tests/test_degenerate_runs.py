@@ -10,9 +10,10 @@ import logging
 import pytest
 from test_train import make_config, small_overrides
 
-from albert_jax import metrics_writer, train
+from albert_jax import metrics_writer
 from albert_jax.data.builders import base
-from albert_jax.train_config import validate_config
+from albert_jax.pretrain import train
+from albert_jax.pretrain.settings import validate_config
 
 
 def test_eval_without_a_real_token_records_no_metric(corpus, tmp_path, caplog):

@@ -42,14 +42,17 @@ from test_train import (
     tiny_command,
 )
 
-from albert_jax import checkpoint_dirs, checkpointing, metrics_writer, pretraining_eval, train
+from albert_jax import checkpointing, metrics_writer
 from albert_jax.data import pipeline
 from albert_jax.data.data_config import DataConfig, sources_from_spec
 from albert_jax.data.tokenizer import Tokenizer
 from albert_jax.model.albert import AlbertForPreTraining, init_params
 from albert_jax.model.config import model_config_from
+from albert_jax.pretrain import heldout as pretraining_eval
+from albert_jax.pretrain import train
+from albert_jax.pretrain.settings import validate_config
+from albert_jax.runtime import checkpoint_dirs
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
-from albert_jax.train_config import validate_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, RESUME_STEP = 5, 3  # checkpoints at 3 and 5; the 1-process resume runs steps 4 and 5

@@ -28,7 +28,8 @@ from conftest import main_command
 from test_distributed import Job, assert_one_writer, assert_preempted_together
 from test_finetune import _override, task_files, tiny_tokenizer_path
 
-from albert_jax import checkpointing, finetune, metrics_writer
+from albert_jax import checkpointing, metrics_writer
+from albert_jax.finetune import train as finetune
 from configs.finetune import get_config
 
 STEPS = 12

@@ -17,7 +17,8 @@ import ml_collections
 import pytest
 from etils import epath
 
-from albert_jax import files, line_reading
+from albert_jax import files
+from albert_jax.data import line_reading
 
 
 def _interrupted_write(path: str) -> None:

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 from conftest import build_once, run_main, session_dir
 
-from albert_jax import finetune, finetune_config
+from albert_jax.finetune import settings as finetune_config
+from albert_jax.finetune import train as finetune
 from albert_jax.pretrained import load_pretrained
 from albert_jax.sharding import create_mesh
 from albert_jax.tasks import local, registry, squad_eval
@@ -74,7 +75,7 @@ def tiny_tokenizer_path(tmp_path_factory, shared_data: str) -> str:
 def pretrained_workdir(tmp_path_factory, shared_data: str, sharing: str = "all") -> str:
     """A tiny ALBERT pretrained briefly (MLM + SOP, LAMB) by the real pretraining loop on a slice
     of the Austen + Brown corpora; our checkpoint layout under WORKDIR/checkpoints/<step>/."""
-    from albert_jax import train
+    from albert_jax.pretrain import train
     from configs.pretrain import get_config as pretrain_config
 
     root = session_dir(tmp_path_factory)

@@ -30,7 +30,9 @@ from conftest import xla_flags
 from test_finetune import sentiment_tiny_config as _config
 from test_finetune import sentiment_tiny_run, tiny_tokenizer_path
 
-from albert_jax import checkpoint_dirs, checkpointing, finetune, metrics_writer
+from albert_jax import checkpointing, metrics_writer
+from albert_jax.finetune import train as finetune
+from albert_jax.runtime import checkpoint_dirs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 12  # sentiment_tiny_config's num_train_steps

@@ -40,7 +40,9 @@ from test_train import (
     tiny_command,
 )
 
-from albert_jax import checkpoint_dirs, checkpointing, finetune, load_pretrained, metrics_writer
+from albert_jax import checkpointing, load_pretrained, metrics_writer
+from albert_jax.finetune import train as finetune
+from albert_jax.runtime import checkpoint_dirs
 from configs.finetune import get_config as finetune_config
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,6 @@ import pytest
 from test_finetune import tiny_tokenizer_path
 
 from albert_jax.data.tokenizer import Tokenizer
-from albert_jax.losses import squad_v2_loss
 from albert_jax.model.albert import AlbertForPreTraining, AlbertModel, init_params
 from albert_jax.model.config import ModelConfig
 from albert_jax.model.heads import (
@@ -22,6 +21,7 @@ from albert_jax.model.heads import (
     AlbertForQuestionAnsweringV2,
     AlbertForSequenceClassification,
 )
+from albert_jax.model.losses import squad_v2_loss
 from albert_jax.tasks import glue, local, race, squad
 from albert_jax.tasks.batching import eval_batches, train_batch
 from albert_jax.tasks.classification import classification_features, truncate_pair

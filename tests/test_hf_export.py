@@ -21,7 +21,7 @@ import pytest
 from conftest import REPO, build_once, run_convert, session_dir
 from test_finetune import task_files, tiny_scratch_config, tiny_tokenizer_path
 
-from albert_jax import finetune
+from albert_jax.finetune import train as finetune
 from albert_jax.interop.hf_task_export import export_hf_task_model, fine_tuning_run
 from albert_jax.interop.weight_names import unflatten_params
 from albert_jax.pretrained import read_checkpoint, save_model_dir

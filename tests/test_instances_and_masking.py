@@ -10,8 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from albert_jax import line_reading
-from albert_jax.data import batches, instances, masking, reference_masking, sentences
+from albert_jax.data import batches, instances, line_reading, masking, reference_masking, sentences
 from albert_jax.data.corpus import (
     TokenizedCorpus,
     concat_documents,

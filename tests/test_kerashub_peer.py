@@ -9,9 +9,9 @@ import flax.linen as nn
 import jax
 import pytest
 
-from albert_jax import train
 from albert_jax.model.albert import AlbertForPreTraining
 from albert_jax.model.config import model_config_from
+from albert_jax.pretrain import train
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
 from benchmarks import kerashub_peer, train_step
 

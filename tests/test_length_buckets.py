@@ -22,7 +22,9 @@ from test_finetune import (
     tiny_tokenizer_path,
 )
 
-from albert_jax import checkpoint_dirs, checkpointing, finetune, metrics_writer
+from albert_jax import checkpointing, metrics_writer
+from albert_jax.finetune import train as finetune
+from albert_jax.runtime import checkpoint_dirs
 from albert_jax.tasks.batching import bucket_length, bucket_lengths, trim_to_bucket
 
 

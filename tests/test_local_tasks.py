@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-from albert_jax import files, line_reading
-from albert_jax.finetune_config import validate_config
+from albert_jax import files
+from albert_jax.data import line_reading
+from albert_jax.finetune.settings import validate_config
 from albert_jax.tasks import local, registry
 from albert_jax.tasks.metrics import METRIC_FNS
 from configs import finetune as finetune_config

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy.special import log_softmax
 
-from albert_jax import losses
+from albert_jax.model import losses
 
 B, P, V = 3, 4, 11
 

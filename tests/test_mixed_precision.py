@@ -13,9 +13,9 @@ import pytest
 from test_model import init, make_batch, tiny
 from test_train import make_config, small_overrides
 
-from albert_jax import losses, train
-from albert_jax.model import layers
+from albert_jax.model import layers, losses
 from albert_jax.model.albert import AlbertForPreTraining
+from albert_jax.pretrain import train
 
 # Float32 in bf16 runs: exponentials and logs (softmax, log-softmax), their max-subtraction,
 # LayerNorm's rsqrt; every sum over a bf16 array would be a bf16 accumulation.

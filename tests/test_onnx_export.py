@@ -25,7 +25,8 @@ from test_hf_export import (
     squad,  # noqa: F401 (a fixture)
 )
 
-from albert_jax import files, finetune
+from albert_jax import files
+from albert_jax.finetune import train as finetune
 from albert_jax.interop.hf_task_export import export_hf_task_model, fine_tuning_run
 from albert_jax.interop.onnx_export import INPUTS, ONNX_FILE, OPSET, export_onnx
 from albert_jax.pretrained import read_checkpoint

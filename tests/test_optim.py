@@ -9,7 +9,7 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from albert_jax import accumulation, optim
+from albert_jax import optim, train_state
 
 B1, B2, EPS, WD = 0.9, 0.999, 1e-6, 0.01
 
@@ -322,8 +322,8 @@ def regression_problem(batch_size):
 def test_accumulated_gradient_equals_full_batch():
     fn = linear_loss_and_grad()
     params, batch = regression_problem(16)
-    full_loss, full_aux, full_grads = accumulation.accumulate_gradients(fn, params, batch, 1, None)
-    loss, aux, grads = jax.jit(accumulation.accumulate_gradients, static_argnums=(0, 3))(
+    full_loss, full_aux, full_grads = train_state.accumulate_gradients(fn, params, batch, 1, None)
+    loss, aux, grads = jax.jit(train_state.accumulate_gradients, static_argnums=(0, 3))(
         fn, params, batch, 4, jax.random.key(0)
     )
     np.testing.assert_allclose(loss, full_loss, rtol=1e-6)
@@ -336,10 +336,10 @@ def test_accumulated_gradient_equals_full_batch():
 def test_accumulation_on_a_sharded_batch():
     fn = linear_loss_and_grad()
     params, batch = regression_problem(32)
-    _, _, full_grads = accumulation.accumulate_gradients(fn, params, batch, 1, None)
+    _, _, full_grads = train_state.accumulate_gradients(fn, params, batch, 1, None)
     mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
     sharded = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))
-    step = jax.jit(lambda p, b: accumulation.accumulate_gradients(fn, p, b, 2, None)[2])
+    step = jax.jit(lambda p, b: train_state.accumulate_gradients(fn, p, b, 2, None)[2])
     grads = step(params, sharded)
     for key in params:
         np.testing.assert_allclose(grads[key], full_grads[key], rtol=1e-5, atol=1e-7)
@@ -351,4 +351,4 @@ def test_accumulation_on_a_sharded_batch():
 def test_accumulation_rejects_indivisible_batch():
     params, batch = regression_problem(10)
     with pytest.raises(ValueError, match="num_microbatches"):
-        accumulation.accumulate_gradients(linear_loss_and_grad(), params, batch, 4, None)
+        train_state.accumulate_gradients(linear_loss_and_grad(), params, batch, 4, None)

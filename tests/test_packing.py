@@ -16,8 +16,7 @@ from test_finetune import (
     tiny_tokenizer_path,
 )
 
-from albert_jax import losses
-from albert_jax.model import heads
+from albert_jax.model import heads, losses
 from albert_jax.model.config import ModelConfig
 from albert_jax.tasks import packing
 from albert_jax.tasks.batching import bucket_lengths, train_batch
@@ -143,8 +142,8 @@ def _objective(config, workdir):
     """The FineTuning objective of `config` on its mesh, as the loop builds it."""
     import flax.linen as nn
 
-    from albert_jax.finetune import FineTuning
-    from albert_jax.finetune_config import validate_config
+    from albert_jax.finetune.settings import validate_config
+    from albert_jax.finetune.train import FineTuning
     from albert_jax.run_config import mesh_layout
     from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
 

@@ -443,7 +443,7 @@ def test_auto_mesh_plans_with_the_targets_hbm():
     """#67: compile-only devices report no memory, so `mesh.auto` in a plan had no HBM limit and
     chose pure data parallelism, (32, 1, 1), for the unshared xxlarge on a v4-64: out of memory,
     a false "does not fit". With the generation's usable HBM it chooses what the pod would."""
-    from albert_jax.train_config import validate_config
+    from albert_jax.pretrain.settings import validate_config
 
     config = with_fields(
         pretrain.get_config("size=xxlarge,sharing=none"), batch_size=256,

@@ -262,7 +262,7 @@ def test_truncated_hf_weights_are_named(tmp_path):
     in one ValueError that names the file and says why."""
     from test_convert import random_hf_model, run_cli
 
-    from albert_jax.finetune import finetune_and_evaluate
+    from albert_jax.finetune.train import finetune_and_evaluate
     from albert_jax.interop.hf_checkpoint import load_hf_checkpoint
     from configs.finetune import get_config
 
@@ -289,7 +289,7 @@ def test_truncated_hf_weights_are_named(tmp_path):
     done = run_cli("--from=hf", f"--src={safe}", f"--dst={tmp_path / 'out'}")
     assert done.returncode != 0
     assert re.match("error: " + expected, done.stderr.strip().splitlines()[-1]), done.stderr
-    assert "Traceback" not in done.stderr  # an expected error: one line (albert_jax.cli)
+    assert "Traceback" not in done.stderr  # an expected error: one line (albert_jax.runtime.cli)
     assert not (tmp_path / "out").exists()
 
     legacy_weights = legacy / "pytorch_model.bin"

@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from albert_jax import process_setup
+from albert_jax.runtime import process_setup
 
 # A jitted function whose one temporary (the 5000 x 5000 float32 product, 100 MB, over glibc's
 # 64 MiB arena heaps) outlives no call: XLA:CPU allocates it per call and frees it after.
@@ -17,14 +17,14 @@ from albert_jax import process_setup
 # by then stays), with the setting's calls recorded.
 PROBE = """
 import json, resource, sys
-from albert_jax import process_setup
+from albert_jax.runtime import process_setup
 if sys.argv[1] in ("keep", "default"):
     kept = process_setup.keep_freed_host_memory() if sys.argv[1] == "keep" else False
 else:
     from albert_jax import main
     calls, setting = [], process_setup.keep_freed_host_memory
     process_setup.keep_freed_host_memory = lambda: calls.append(setting()) or calls[-1]
-    class Started(BaseException):  # not an error: albert_jax.cli would end the process
+    class Started(BaseException):  # not an error: albert_jax.runtime.cli would end the process
         pass
     def start():  # main's first step towards JAX
         raise Started

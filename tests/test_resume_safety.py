@@ -32,8 +32,10 @@ from test_train import (
     tiny_command,
 )
 
-from albert_jax import checkpoint_dirs, checkpointing, train
+from albert_jax import checkpointing
 from albert_jax.data.data_config import DataConfig
+from albert_jax.pretrain import train
+from albert_jax.runtime import checkpoint_dirs
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +159,7 @@ def test_failed_save_stops_the_run_naming_step_and_path(corpus, trained, tmp_pat
         text=True, timeout=600,
     )  # fmt: skip
     # Orbax's writer threads print tracebacks of their own meanwhile; the CLI's one-line error
-    # still ends stderr (albert_jax.cli), and the process exits without waiting for them.
+    # still ends stderr (albert_jax.runtime.cli), and the process exits without waiting for them.
     assert proc.returncode == 1, proc.stderr[-5000:]
     error = proc.stderr.strip().splitlines()[-1]
     assert error.startswith("error: saving the checkpoint of "), proc.stderr[-5000:]

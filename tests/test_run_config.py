@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from albert_jax import finetune_config, train_config
+from albert_jax.finetune import settings as finetune_config
+from albert_jax.pretrain import settings as train_config
 from albert_jax.run_config import check_known_fields, config_field, with_fields
 from configs import finetune, pretrain, table5
 

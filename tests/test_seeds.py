@@ -23,9 +23,12 @@ from test_finetune import (
     tiny_tokenizer_path,
 )
 
-from albert_jax import checkpoint_dirs, finetune, optim, seeds, trees
+from albert_jax import optim, trees
+from albert_jax.finetune import seeds
+from albert_jax.finetune import train as finetune
 from albert_jax.metrics_writer import read_metrics
 from albert_jax.pretrained import load_pretrained
+from albert_jax.runtime import checkpoint_dirs
 from albert_jax.train_state import TrainState, make_step
 
 

@@ -20,7 +20,7 @@ import pytest
 from conftest import build_once, session_dir
 from test_train import REPO, make_config, small_overrides
 
-from albert_jax import metrics_writer, train
+from albert_jax import metrics_writer
 from albert_jax.analysis import sop_table
 from albert_jax.data import batches, pipeline
 from albert_jax.data.corpus import iter_jsonl_documents, tokenize_documents
@@ -41,7 +41,8 @@ from albert_jax.data.instances import (
     create_instances,
 )
 from albert_jax.data.tokenizer import Tokenizer
-from albert_jax.pretraining_eval import eval_metrics
+from albert_jax.pretrain import train
+from albert_jax.pretrain.heldout import eval_metrics
 
 SWAPPED_KINDS = (SWAPPED, SPLIT_SWAPPED)
 

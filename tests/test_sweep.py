@@ -1,4 +1,4 @@
-"""Sweeps (albert_jax/sweep.py): the grid, the names, every bad input refused before a point
+"""Sweeps (albert_jax/sweep/runner.py): the grid, the names, every bad input refused before a point
 runs, points of one shape trained as one program exactly as their solo runs, resume after a
 SIGTERM of the whole sweep, a failed point recorded, and the table rebuilt from the workdirs.
 
@@ -19,18 +19,14 @@ from test_glue_table import OVERRIDES as GLUE_OVERRIDES
 from test_glue_table import init_dir, local_data  # noqa: F401 (fixtures)
 from test_train import REPO, assert_trees_equal, final_state, losses_by_step, small_overrides
 
-from albert_jax import (
-    checkpointing,
-    files,
-    metrics_writer,
-    sweep,
-    sweep_grid,
-    sweep_group,
-    sweep_table,
-    train,
-)
+from albert_jax import checkpointing, files, metrics_writer
+from albert_jax.pretrain import train
 from albert_jax.pretrained import load_pretrained
 from albert_jax.run_config import with_fields
+from albert_jax.sweep import grid as sweep_grid
+from albert_jax.sweep import group as sweep_group
+from albert_jax.sweep import runner as sweep
+from albert_jax.sweep import table as sweep_table
 from configs import pretrain
 
 TINY = "configs/pretrain.py:size=tiny"
@@ -235,7 +231,14 @@ def test_points_of_other_shapes_run_alone_and_say_why(corpus):
 
 # -------------------------------------------------------------- resume, failures, the table
 def _sweep_cli(root, argv, timeout=600):
-    args = [sys.executable, "-m", "albert_jax.sweep", f"--config={TINY}", f"--root={root}", *argv]
+    args = [
+        sys.executable,
+        "-m",
+        "albert_jax.sweep.runner",
+        f"--config={TINY}",
+        f"--root={root}",
+        *argv,
+    ]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(8),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}  # fmt: skip
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -317,8 +320,8 @@ def test_fine_tuning_points_of_one_shape_train_as_one_program_exactly_as_alone(
     """Two learning rates (and warmup fractions) of sentiment_rt from a tiny init as one
     program, against the solo run of the second: the same losses, eval results and
     predictions."""
-    from albert_jax import finetune
-    from albert_jax.cli import override_config
+    from albert_jax.finetune import train as finetune
+    from albert_jax.runtime.cli import override_config
     from configs import finetune as finetune_configs
 
     files_ = [f"--config.data.train_files={local_data}/sentiment_rt/train.jsonl.gz",

@@ -20,9 +20,11 @@ import numpy as np
 import pytest
 from conftest import main_command
 
-from albert_jax import checkpoint_dirs, checkpointing, metrics_writer, train
+from albert_jax import checkpointing, metrics_writer
 from albert_jax.loop import TrainingDivergedError
+from albert_jax.pretrain import train
 from albert_jax.run_config import with_fields
+from albert_jax.runtime import checkpoint_dirs
 from configs import pretrain
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -444,7 +446,7 @@ def test_short_run_learns(corpus, tmp_path):
 def test_resume_with_another_tokenizer_is_refused(corpus, tokenizer, tmp_path):
     """Resuming with `config.data.tokenizer=` another model trained on a new vocabulary and
     overwrote WORKDIR/tokenizer.model, the only copy of the one the checkpoints saw."""
-    from albert_jax import prepare
+    from albert_jax.pretrain import prepare
 
     workdir = tmp_path / "run"
     workdir.mkdir()

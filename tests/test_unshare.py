@@ -16,7 +16,6 @@ import pytest
 from conftest import run_convert
 from test_train import SMALL_MODEL, losses_by_step, make_config, small_overrides
 
-from albert_jax import train
 from albert_jax.data.tokenizer import Tokenizer
 from albert_jax.interop.unshare import (
     REPORT_FILES,
@@ -31,9 +30,10 @@ from albert_jax.interop.unshare import (
 from albert_jax.interop.weight_names import flatten_params as flatten
 from albert_jax.model.albert import AlbertForPreTraining, init_params
 from albert_jax.model.config import ModelConfig
+from albert_jax.pretrain import train
+from albert_jax.pretrain.settings import validate_config
 from albert_jax.pretrained import load_pretrained, save_model_dir
 from albert_jax.sharding import create_mesh
-from albert_jax.train_config import validate_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # test_train's pretraining model (vocab of the corpus tokenizer) at 4 layers: every model here

@@ -25,9 +25,9 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from albert_jax import (  # every module the training and fine-tuning paths import
-    checkpointing, convert, finetune, glue_table, loop, main, pretrained, train,
-)
+from albert_jax import convert, glue_table, loop, main, pretrained
+from albert_jax.finetune import train as finetune
+from albert_jax.pretrain import train
 from albert_jax.model.config import model_config_from
 from albert_jax.model.albert import AlbertForPreTraining
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh

@@ -19,13 +19,14 @@ import pytest
 from conftest import local_or_gcs_workdir
 from test_train import REPO, small_overrides, tiny_command
 
-from albert_jax import checkpointing, files, metrics_writer, workdir_lease
+from albert_jax import checkpointing, files, metrics_writer
+from albert_jax.runtime import workdir_lease
 
 # A process that takes the lease of argv[1], says so, and waits (to be killed).
 HOLDER = textwrap.dedent(
     """
     import sys, time
-    from albert_jax import workdir_lease
+    from albert_jax.runtime import workdir_lease
     lease = workdir_lease.acquire(sys.argv[1])
     print("held", flush=True)
     time.sleep(600)

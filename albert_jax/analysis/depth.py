@@ -26,10 +26,11 @@ import jax
 import matplotlib
 from absl import app, flags, logging
 
-from albert_jax import cli, files, metrics_writer
+from albert_jax import files, metrics_writer
 from albert_jax.analysis import heldout
 from albert_jax.model.albert import AlbertForPreTraining
-from albert_jax.pretraining_eval import evaluate_batches, make_eval_step
+from albert_jax.pretrain.heldout import evaluate_batches, make_eval_step
+from albert_jax.runtime import cli
 
 JSON_FILE = "depth_sweep.json"
 PNG_FILE = "depth_sweep.png"

@@ -24,8 +24,9 @@ import numpy as np
 from absl import flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from albert_jax import checkpoint_dirs, files
-from albert_jax.pretraining_eval import majority_accuracies
+from albert_jax import files
+from albert_jax.pretrain.heldout import majority_accuracies
+from albert_jax.runtime import checkpoint_dirs
 from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, create_mesh, put_batch
 
 Batch = dict[str, np.ndarray]
@@ -170,7 +171,7 @@ def load(
     """
     from albert_jax.data import pipeline
     from albert_jax.data.tokenizer import Tokenizer
-    from albert_jax.prepare import build_sources
+    from albert_jax.pretrain.prepare import build_sources
     from albert_jax.pretrained import load_pretrained
 
     if num_batches < 1:

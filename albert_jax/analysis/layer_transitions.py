@@ -26,10 +26,11 @@ import matplotlib
 import numpy as np
 from absl import app, flags
 
-from albert_jax import cli, files, metrics_writer
+from albert_jax import files, metrics_writer
 from albert_jax.analysis import heldout
 from albert_jax.model.albert import AlbertModel
 from albert_jax.model.config import ModelConfig
+from albert_jax.runtime import cli
 
 JSON_FILE = "layer_transitions.json"
 PNG_FILE = "layer_transitions.png"

@@ -32,8 +32,9 @@ from typing import Any
 
 from absl import app, flags, logging
 
-from albert_jax import cli, files
+from albert_jax import files
 from albert_jax.run_config import RUN_CONFIG_FILE
+from albert_jax.runtime import cli
 
 TASKS = ("nsp", "sop")  # the evaluation columns, as objectives of the data pipeline
 OBJECTIVE_ROWS = ("none", "nsp", "sop")  # what the sweep trains, in the paper's row order
@@ -124,7 +125,7 @@ def cross_evaluate(workdirs: Sequence[str], *, eval_batches: int = 0) -> dict[st
     `config.eval_batches`. Returns the table (see `render_markdown`)."""
     import jax
 
-    from albert_jax.pretraining_eval import evaluate_batches, make_eval_step
+    from albert_jax.pretrain.heldout import evaluate_batches, make_eval_step
 
     if not workdirs:
         raise ValueError("--workdirs: no run given")
@@ -199,7 +200,7 @@ def write_table(table: Mapping[str, Any], output: str) -> None:
 # -------------------------------------------------------------------------------- the sweep
 def run_sweep(config: Any, workdir: str) -> list[str]:
     """Pretrains `config` once per objective of `OBJECTIVE_ROWS` in WORKDIR/<objective>: a
-    sweep (`albert_jax.sweep`) of the objective, so finished runs are read, a stopped one
+    sweep (`albert_jax.sweep.runner`) of the objective, so finished runs are read, a stopped one
     resumes, and all three read one tokenizer (trained once unless `config.data.tokenizer`
     names one). Returns the run workdirs, or [] when a preemption notice stopped a run (the
     same command resumes it).
@@ -207,8 +208,8 @@ def run_sweep(config: Any, workdir: str) -> list[str]:
     Raises:
       ValueError: a run failed (its error; the other runs were still trained).
     """
-    from albert_jax import sweep
-    from albert_jax.sweep_grid import Point
+    from albert_jax.sweep import runner as sweep
+    from albert_jax.sweep.grid import Point
 
     points = [Point(objective, fields=(("objective", objective),)) for objective in OBJECTIVE_ROWS]
     configs = []

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from albert_jax import files, line_reading
-from albert_jax.data import sentences
+from albert_jax import files
+from albert_jax.data import line_reading, sentences
 
 if TYPE_CHECKING:
     from albert_jax.data.tokenizer import Tokenizer

@@ -69,8 +69,8 @@ from albert_jax.data.builders.prepared import (
 )
 from albert_jax.data.builders.text_files import resolve_files
 from albert_jax.data.builders.wikipedia_dump import WikipediaDump, WikipediaDumpConfig
-from albert_jax.line_reading import DEFAULT_LINE_LIMITS, LineLimits
-from albert_jax.process_setup import hide_accelerators_from_tensorflow
+from albert_jax.data.line_reading import DEFAULT_LINE_LIMITS, LineLimits
+from albert_jax.runtime.process_setup import hide_accelerators_from_tensorflow
 
 CATALOG_WIKIPEDIA = "wikipedia/20230601.en"
 # BERT §3.1: "BooksCorpus (800M words) and English Wikipedia (2,500M words)".

@@ -364,7 +364,7 @@ def _define_flags() -> None:
 
 
 if __name__ == "__main__":
-    from albert_jax import cli
+    from albert_jax.runtime import cli
 
     _define_flags()
     cli.run(_main)

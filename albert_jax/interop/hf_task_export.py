@@ -36,11 +36,12 @@ import logging
 import math
 from typing import Any
 
-from albert_jax import checkpoint_dirs, files
+from albert_jax import files
+from albert_jax.finetune.seeds import seeds_of
 from albert_jax.interop.hf_checkpoint import params_to_hf_state_dict, to_hf_config
 from albert_jax.interop.weight_names import task_layout, unflatten_params
 from albert_jax.pretrained import detect_layout, read_checkpoint
-from albert_jax.seeds import seeds_of
+from albert_jax.runtime import checkpoint_dirs
 
 __all__ = [
     "HF_CLASSES",

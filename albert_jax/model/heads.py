@@ -1,5 +1,5 @@
 """Fine-tuning heads over `AlbertModel`: classification / regression, SQuAD v1 and v2 span
-prediction, multiple choice. Modules only: their losses live in `albert_jax.losses`.
+prediction, multiple choice. Modules only: their losses live in `albert_jax.model.losses`.
 
 Every model takes the inputs of `AlbertModel` (`input_ids, segment_ids, input_mask`, [B,S]; for
 multiple choice [B,C,S]) plus `deterministic`, and keeps the backbone under the name `albert`,

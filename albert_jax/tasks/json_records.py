@@ -18,7 +18,8 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from albert_jax import files, line_reading
+from albert_jax import files
+from albert_jax.data import line_reading
 from albert_jax.files import BadRecordError
 from albert_jax.tasks.records import ReadStats
 

@@ -9,7 +9,7 @@
 
 A kind owns its head (`build_model`), which feature arrays go to the devices (`model_inputs`)
 and how the model runs on them (`init_variables`, `apply`), the training loss and metrics
-(`loss`, computed by `albert_jax.losses`), featurization (`featurize`), the official metrics
+(`loss`, computed by `albert_jax.model.losses`), featurization (`featurize`), the official metrics
 and predictions (`score`) and the prediction files (`write_predictions`). `TaskSpec.kind`
 (tasks/registry.py) names one of `KINDS`; `get_kind(name)` looks it up. Adding a kind is a
 subclass and an entry in `KINDS`.
@@ -28,8 +28,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from albert_jax import files, losses
-from albert_jax.model import heads
+from albert_jax import files
+from albert_jax.model import heads, losses
 from albert_jax.model.config import ModelConfig
 from albert_jax.tasks import squad_eval
 from albert_jax.tasks.batching import Features

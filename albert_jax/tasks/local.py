@@ -38,7 +38,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
-from albert_jax import files, line_reading
+from albert_jax import files
+from albert_jax.data import line_reading
 from albert_jax.files import BadRecordError
 from albert_jax.tasks.json_records import (
     file_name,

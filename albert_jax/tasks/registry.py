@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from albert_jax import files as file_io
-from albert_jax import line_reading, process_setup
+from albert_jax.data import line_reading
+from albert_jax.runtime import process_setup
 from albert_jax.tasks import glue, json_records, local, race, squad
 from albert_jax.tasks.batching import Features
 from albert_jax.tasks.kinds import get_kind

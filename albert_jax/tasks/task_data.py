@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from albert_jax import seeds
+from albert_jax.finetune import seeds
 from albert_jax.model import heads
 from albert_jax.sharding import process_rows
 from albert_jax.tasks import packing, registry

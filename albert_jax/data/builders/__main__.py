@@ -21,8 +21,9 @@ import json
 
 from absl import app, flags
 
-from albert_jax import cli, line_reading
+from albert_jax.data import line_reading
 from albert_jax.data.sources import prepare_sources
+from albert_jax.runtime import cli
 
 _SOURCES = flags.DEFINE_string(
     "sources", None, "Mixture spec, e.g. 'demo' or 'books=/data/books/*.txt:1,demo:1'."

@@ -42,15 +42,15 @@ from absl import logging
 
 from albert_jax.data.builders.prepared import fingerprint, new_build_id
 from albert_jax.data.builders.text_files import resolve_files
-from albert_jax.files import is_local
-from albert_jax.line_reading import (
+from albert_jax.data.line_reading import (
     DEFAULT_MAX_BAD_LINES,
     DEFAULT_MAX_BLANK_LINES,
     DEFAULT_MAX_EXPANSION,
     DEFAULT_MAX_LINE_BYTES,
     LineLimits,
 )
-from albert_jax.process_setup import hide_accelerators_from_tensorflow
+from albert_jax.files import is_local
+from albert_jax.runtime.process_setup import hide_accelerators_from_tensorflow
 
 if TYPE_CHECKING:
     import tensorflow as tf

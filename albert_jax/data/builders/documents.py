@@ -43,7 +43,7 @@ from albert_jax.data.builders.text_files import (
     read_lines,
     stem,
 )
-from albert_jax.line_reading import SKIP_COUNTERS, BadRun, LineLimits
+from albert_jax.data.line_reading import SKIP_COUNTERS, BadRun, LineLimits
 
 TEXT_FORMATS = ("auto", "jsonl", "document_per_file", "sentence_per_line")
 _JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 from absl import logging
 
-from albert_jax import files, line_reading
+from albert_jax import files
+from albert_jax.data import line_reading
 
 if TYPE_CHECKING:  # base imports this module: no cycle at run time
     from albert_jax.data.builders.base import Tally

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
-from albert_jax import cli
+from albert_jax.runtime import cli
 
 SWEEP_PREFIX = "--sweep."
 OPTIONS = ("group",)  # --sweep.group=auto|none: an option of the sweep, not a config field

@@ -35,31 +35,23 @@ from absl import logging
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from albert_jax import (
-    checkpointing,
-    compile_cache,
-    files,
-    losses,
-    metrics_writer,
-    optim,
-    train_state,
-    workdir_lease,
-)
+from albert_jax import checkpointing, files, metrics_writer, optim, train_state
 from albert_jax.loop import DebugHooks, Loop
-from albert_jax.model import flops
+from albert_jax.model import flops, losses
 from albert_jax.model.albert import AlbertForPreTraining, init_params
 from albert_jax.model.config import ModelConfig
-from albert_jax.prepare import build_sources, prepare_tokenizer
-from albert_jax.pretraining_eval import (
+from albert_jax.pretrain.heldout import (
     evaluate_batches,
     majority_accuracies,
     make_eval_step,
     model_inputs,
 )
+from albert_jax.pretrain.prepare import build_sources, prepare_tokenizer
+from albert_jax.pretrain.settings import RunLayout, validate_config
 from albert_jax.resume import load_params_only
 from albert_jax.run_config import config_field
+from albert_jax.runtime import compile_cache, workdir_lease
 from albert_jax.sharding import create_mesh, forward_per_replica
-from albert_jax.train_config import RunLayout, validate_config
 
 PyTree = Any
 

@@ -39,8 +39,10 @@ from typing import Any
 
 from absl import app, flags, logging
 
-from albert_jax import cli, files, process_setup, sweep_table
-from albert_jax.sweep_grid import (
+from albert_jax import files
+from albert_jax.runtime import cli, process_setup
+from albert_jax.sweep import table as sweep_table
+from albert_jax.sweep.grid import (
     SWEEP_PREFIX,
     ConfigFile,
     Point,
@@ -121,17 +123,17 @@ def check_workdirs(sweep: Sweep) -> None:
 def run_alone(config: Any, workdir: str) -> Mapping[str, Any]:
     """One point through the one loop: fine-tuning when its config names a task."""
     if "task" in config:
-        from albert_jax import finetune
+        from albert_jax.finetune import train as finetune
 
         return finetune.finetune_and_evaluate(config, workdir)
-    from albert_jax import train
+    from albert_jax.pretrain import train
 
     return train.train_and_evaluate(config, workdir)
 
 
 def run_group(sweep: Sweep, members: Sequence[int]) -> tuple[str, Mapping[str, Any]]:
     """Points `members` as one program in ROOT/groups/<name>; returns (name, its result)."""
-    from albert_jax import sweep_group
+    from albert_jax.sweep import group as sweep_group
 
     names = [sweep.points[i].name for i in members]
     name = "group-" + hashlib.sha1("\n".join(names).encode()).hexdigest()[:10]
@@ -141,12 +143,12 @@ def run_group(sweep: Sweep, members: Sequence[int]) -> tuple[str, Mapping[str, A
     files.as_path(workdir).mkdir(parents=True, exist_ok=True)
     files.write_json(files.as_path(workdir) / "group.json", {"points": names})
     if "task" in configs[0]:
-        from albert_jax import finetune
+        from albert_jax.finetune import train as finetune
 
         objective, run = sweep_group.GroupedFineTuning, finetune.finetune_and_evaluate
     else:
-        from albert_jax import train
-        from albert_jax.train_config import validate_config
+        from albert_jax.pretrain import train
+        from albert_jax.pretrain.settings import validate_config
 
         run = train.train_and_evaluate
         layouts = [validate_config(c) for c in configs]
@@ -165,7 +167,8 @@ def _status(result: Mapping[str, Any]) -> str:
 def run_sweep(sweep: Sweep) -> dict[str, Any]:
     """Runs every point not finished yet (see the module docstring) and returns the table
     (ROOT/sweep.json's content), written after every point."""
-    from albert_jax import compile_cache, sweep_group
+    from albert_jax.runtime import compile_cache
+    from albert_jax.sweep import group as sweep_group
 
     check_root(sweep.root)
     check_workdirs(sweep)
@@ -254,7 +257,7 @@ def parameters(config: Any, workdir: str) -> int | None:
     try:
         if "task" not in config:
             return params.count_parameters(model_config_from(config))["core"]
-        from albert_jax import checkpoint_dirs
+        from albert_jax.runtime import checkpoint_dirs
 
         step_dir = files.as_path(checkpoint_dirs.latest_step_dir(workdir))
         meta = checkpoint_dirs.read_json_item(step_dir / "meta")
@@ -331,7 +334,7 @@ def share_tokenizers(configs: Sequence[Any], root: str) -> None:
 def train_shared_tokenizers(sweep: Sweep) -> None:
     """Trains each shared tokenizer (`share_tokenizers`) the sweep does not have yet, as its
     first point's run would have (the sources built first)."""
-    from albert_jax.prepare import build_sources, prepare_tokenizer
+    from albert_jax.pretrain.prepare import build_sources, prepare_tokenizer
 
     shared = str(files.as_path(sweep.root) / TOKENIZERS_DIR)
     done: set[str] = set()
@@ -372,9 +375,9 @@ def _validate(points: Sequence[Point], configs: Sequence[Any]) -> None:
     for point, config in zip(points, configs, strict=True):
         try:
             if "task" in config:
-                from albert_jax.finetune_config import validate_config
+                from albert_jax.finetune.settings import validate_config
             else:
-                from albert_jax.train_config import validate_config
+                from albert_jax.pretrain.settings import validate_config
             validate_config(config)
         except ValueError as e:
             raise ValueError(f"point {point.name}: {cli.one_line(e)}") from e

@@ -34,15 +34,15 @@ import optax
 from absl import logging
 from jax.sharding import Mesh
 
-from albert_jax import checkpointing, files, metrics_writer, optim, seeds
-from albert_jax.finetune import EVAL_RESULTS_FILE, FineTuning
-from albert_jax.finetune_config import optimizer_config
+from albert_jax import checkpointing, files, metrics_writer, optim
+from albert_jax.finetune.settings import optimizer_config
+from albert_jax.finetune.train import EVAL_RESULTS_FILE, FineTuning, seeds
 from albert_jax.loop import Loop
-from albert_jax.pretraining_eval import eval_metrics, sum_eval_batches
+from albert_jax.pretrain.heldout import eval_metrics, sum_eval_batches
+from albert_jax.pretrain.settings import RunLayout
+from albert_jax.pretrain.train import Pretraining
 from albert_jax.run_config import write_run_config
-from albert_jax.sweep_grid import flat_fields
-from albert_jax.train import Pretraining
-from albert_jax.train_config import RunLayout
+from albert_jax.sweep.grid import flat_fields
 from albert_jax.train_state import Runs
 
 RUN_LABEL = "run_{}"

@@ -57,7 +57,7 @@ def hide_accelerators_from_tensorflow() -> None:
     Imports TensorFlow (when installed): called right where TFDS is about to run it (building
     a dataset, reading TFRecord or a catalog dataset), so a process that reads only prepared
     ArrayRecord data, as a pretraining run on local disk does, never pays the ~6 s import."""
-    from albert_jax import console
+    from albert_jax.runtime import console
 
     # Its C++ notices come as it loads: only the first call needs them caught.
     loading = "tensorflow" not in sys.modules

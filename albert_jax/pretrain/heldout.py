@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from albert_jax import losses
 from albert_jax.data.instances import PAIR_KINDS
+from albert_jax.model import losses
 from albert_jax.model.albert import AlbertForPreTraining
 
 PyTree = Any

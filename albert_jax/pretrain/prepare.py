@@ -13,7 +13,8 @@ import jax
 from absl import logging
 from jax.experimental import multihost_utils
 
-from albert_jax import checkpointing, files, line_reading
+from albert_jax import checkpointing, files
+from albert_jax.data import line_reading
 from albert_jax.model.config import model_config_from
 from albert_jax.run_config import config_field
 

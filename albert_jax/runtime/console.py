@@ -3,7 +3,7 @@
 A pretraining run on the tiny config logged ~1,000 lines, six of Orbax's, TFDS's and JAX's INFO
 lines for each progress line of its own (`atomicity.py`, `checkpoint_manager.py`, ...), and
 on a machine with the `[tpu]` extra but no TPU it started with libtpu's `E0000` errors. Every
-command line program (`albert_jax.cli.run`) therefore sets up its console with `quiet`:
+command line program (`albert_jax.runtime.cli.run`) therefore sets up its console with `quiet`:
 
 - Log records of the libraries go through only from WARNING up; the package's own (`albert_jax`,
   `configs`) keep INFO. All of them share absl's handler (Orbax and TFDS log through absl
@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 LIBRARY_LOGS_ENV = "ALBERT_LIBRARY_LOGS"
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # albert_jax/
 _OWN_DIRS = (_PACKAGE + os.sep, os.path.join(os.path.dirname(_PACKAGE), "configs") + os.sep)
 
 # Library warnings about a state the package chose: the read-only CheckpointManager it opens
@@ -60,7 +60,7 @@ def quiet() -> None:
     """Sets up the console of a command (idempotent; see the module docstring)."""
     from absl import logging as absl_logging
 
-    from albert_jax import process_setup
+    from albert_jax.runtime import process_setup
 
     process_setup.skip_absent_tpu()
     if library_logs_wanted():

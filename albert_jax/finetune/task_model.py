@@ -14,7 +14,7 @@ import optax
 from jax.sharding import Mesh
 
 from albert_jax import optim
-from albert_jax.finetune_config import optimizer_config
+from albert_jax.finetune.settings import optimizer_config
 from albert_jax.sharding import forward_per_replica
 
 PyTree = Any

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from albert_jax import line_reading
+from albert_jax.data import line_reading
 from albert_jax.model.config import RUNTIME_FIELDS, ModelConfig
 from albert_jax.run_config import check_known_fields, keys_of
 from albert_jax.tasks import registry

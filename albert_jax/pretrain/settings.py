@@ -14,7 +14,8 @@ from typing import Any
 import jax
 from absl import logging
 
-from albert_jax import line_reading, optim
+from albert_jax import optim
+from albert_jax.data import line_reading
 from albert_jax.data.instances import OBJECTIVES
 from albert_jax.model.config import ModelConfig, model_config_from
 from albert_jax.run_config import check_known_fields, config_field, mesh_layout

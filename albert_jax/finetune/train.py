@@ -48,21 +48,23 @@ import optax
 from absl import logging
 from jax.sharding import Mesh
 
-from albert_jax import checkpointing, compile_cache, files, seeds, workdir_lease
-from albert_jax.backbone_init import InitReport, merge_pretrained, read_init
-from albert_jax.finetune_config import (
+from albert_jax import checkpointing, files
+from albert_jax.finetune import seeds
+from albert_jax.finetune.backbone_init import InitReport, merge_pretrained, read_init
+from albert_jax.finetune.settings import (
     check_batch,
     dont_load_patterns,
     model_config,
     validate_config,
 )
+from albert_jax.finetune.task_model import TaskModel
 from albert_jax.loop import DebugHooks, Loop
 from albert_jax.model import heads
 from albert_jax.model.config import ModelConfig
 from albert_jax.pretrained import Checkpoint
 from albert_jax.run_config import mesh_layout
+from albert_jax.runtime import compile_cache, workdir_lease
 from albert_jax.sharding import create_mesh, fetch
-from albert_jax.task_model import TaskModel
 from albert_jax.tasks.kinds import get_kind
 from albert_jax.tasks.registry import TaskSpec
 from albert_jax.tasks.task_data import TaskData

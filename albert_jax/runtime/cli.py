@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 
 from absl import app, flags, logging
 
-from albert_jax import console
+from albert_jax.runtime import console
 
 TRACEBACK_ENV = "ALBERT_TRACEBACK"
 
@@ -44,7 +44,7 @@ TRACEBACK_ENV = "ALBERT_TRACEBACK"
 PROJECT_ERRORS = (
     ("albert_jax.checkpointing", "CheckpointError"),
     ("albert_jax.loop", "TrainingDivergedError"),
-    ("albert_jax.workdir_lease", "WorkdirInUseError"),
+    ("albert_jax.runtime.workdir_lease", "WorkdirInUseError"),
 )
 # Refused values (the package raises ValueError naming the field or file, files.py's
 # UnreadableFileError among them), files and connections (OSError: FileNotFoundError,

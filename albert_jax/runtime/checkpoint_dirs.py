@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from albert_jax import files
-from albert_jax.seeds import seeds_of
+from albert_jax.finetune.seeds import seeds_of
 
 CHECKPOINTS_DIR = "checkpoints"
 ITEMS = ("params", "opt_state", "data", "meta")
