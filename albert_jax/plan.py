@@ -75,21 +75,15 @@ def make_target(tpu: str, num_slices: int = 1) -> Target:
 
 def _pretraining(config: Any, target: Target) -> tuple[Any, Any, dict[str, Any], float]:
     """(objective, mesh, abstract batch spec {name: (shape, dtype)}, model FLOPs a step)."""
-    from albert_jax.model.albert import AlbertForPreTraining
+    from albert_jax.pretrain.model_half import PretrainingModel, pretraining_batch_shapes
     from albert_jax.pretrain.settings import validate_config
-    from albert_jax.pretrain.train import (
-        PretrainingModel,
-        pretraining_batch_shapes,
-        train_step_flops,
-    )
 
-    layout = validate_config(config, devices=target.devices, processes=target.processes)
-    mesh = slice_mesh(layout.mesh_shape, target.devices, target.num_slices)
-    model = AlbertForPreTraining(layout.model_config)
-    B, S, P = config.batch_size, config.seq_len, config.max_predictions_per_seq
-    batch = pretraining_batch_shapes(B, S, P)
-    flops = train_step_flops(layout.model_config, B, S, P)
-    return PretrainingModel(config, model, mesh), mesh, batch, flops
+    settings = validate_config(config, devices=target.devices, processes=target.processes)
+    mesh = slice_mesh(settings.mesh.shape, target.devices, target.num_slices)
+    model = PretrainingModel.from_settings(settings, mesh)
+    data = settings.data
+    batch = pretraining_batch_shapes(data.batch_size, data.seq_len, data.max_predictions_per_seq)
+    return model, mesh, batch, model.flops_per_step
 
 
 def _fine_tuning(config: Any, target: Target) -> tuple[Any, Any, dict[str, Any], float]:
@@ -108,7 +102,7 @@ def _fine_tuning(config: Any, target: Target) -> tuple[Any, Any, dict[str, Any],
     )
     kind = get_kind(task.kind)
     rows = int(config.batch_size) * int(config.num_seeds)
-    shapes, _ = mesh_layout(config, model_config, target.devices)
+    shapes = mesh_layout(config, model_config, target.devices).shape
     finetune_config.check_batch_split("batch_size", rows, shapes[0] * shapes[1], target.processes)
     mesh = slice_mesh(shapes, target.devices, target.num_slices)
     batch = kind.batch_shapes(rows, int(config.max_seq_length), task)

@@ -1,5 +1,6 @@
-"""Restoring a run: the newest checkpoint that restores (falling back past damaged ones) and
-params-only initialization from another model. (The input pipeline's position is the
+"""Restoring a run: the checks a checkpoint must pass to be continued (`check_resumable`), the
+newest checkpoint that restores (falling back past damaged ones) and params-only
+initialization from another model. (The input pipeline's position is the
 pipeline's own: `data.pipeline.ShardedIterator.restore`.)
 """
 
@@ -16,6 +17,67 @@ from jax.experimental import multihost_utils
 from albert_jax import checkpointing, trees
 
 PyTree = Any
+
+
+def check_resumable(
+    objective: Any, settings: Any, path: str, step: int, data: Any, meta: Any
+) -> None:
+    """Refuses a checkpoint of another model (before its arrays are read: they would not
+    fit), of another kind of run or vocabulary, and one whose data state the objective
+    (`loop.Objective`; `settings`: the loop's) cannot continue."""
+    _check_same_task(objective.model.task, path, step, meta)
+    _check_same_tokenizer(objective.meta(), settings.tokenizer, path, step, meta)
+    saved = meta.get("model_config") if isinstance(meta, Mapping) else None
+    differ = objective.model.model_config.architecture_differences(saved or {})
+    if isinstance(saved, Mapping) and differ:
+        raise ValueError(
+            f"cannot resume {path} at step {step}: its model differs from this config's "
+            f"({'; '.join(differ)}); restore the model settings (config.json of that run, "
+            "config.model.*, size) or use a new --workdir"
+        )
+    objective.data.check_resume(data, step)
+
+
+def _check_same_tokenizer(
+    ours_meta: Mapping[str, Any], given: str, path: str, step: int, meta: Any
+) -> None:
+    """Refuses checkpoints trained on another vocabulary. The workdir's tokenizer.model
+    guards this while it exists; once it is gone, any sentencepiece model of the same size
+    would train on (its ids mean other pieces), so the fingerprint saved with every
+    checkpoint is what decides."""
+    saved = meta.get("tokenizer_fingerprint") if isinstance(meta, Mapping) else None
+    ours = ours_meta.get("tokenizer_fingerprint")
+    if saved is None or ours is None or saved == ours:
+        return
+    given = given or "found for this run"
+    raise ValueError(
+        f"cannot resume {path} at step {step}: its checkpoints were trained with another "
+        f"tokenizer than this run's ({given}; fingerprints {saved} and {ours}); put the "
+        "run's own sentencepiece model back as WORKDIR/tokenizer.model or pass it as "
+        "config.data.tokenizer, or start a new --workdir"
+    )
+
+
+def _check_same_task(ours: str | None, path: str, step: int, meta: Any) -> None:
+    """Refuses checkpoints of another kind of run (pretraining / a fine-tuning task),
+    naming both and the way that keeps them: they are healthy, only not this run's."""
+    if not isinstance(meta, Mapping):
+        return
+    saved = meta.get("task")
+    if saved == ours:
+        return
+    what = f"fine-tuning run of task {saved!r}" if saved else "pretraining run"
+    this = f"fine-tunes task {ours!r}" if ours else "pretrains"
+    if ours and not saved:
+        fix = f"to fine-tune from it, pass --config.init={path} and a new --workdir"
+    elif ours:
+        fix = f"use a new --workdir (or --config.task={saved} to continue that run)"
+    else:
+        fix = "pretrain into a new --workdir"
+    raise ValueError(
+        f"cannot resume {path} at step {step}: it holds the checkpoints of a {what}, and "
+        f"this config {this}; {fix}. Its checkpoints are fine: leave them in place"
+    )
 
 
 def restore_newest_intact(

@@ -8,11 +8,11 @@ and the same hyperparameters (the paper's SST-2 preset: batch 32, ALBERT dropout
 dropout 0.1, AdamW, clip 1.0, linear warmup / decay), at `max_seq_length` 512 and 128. Every
 contender trains on the same rows in the same steps:
 
-- ours: the real fine-tuning code path. `albert_jax.finetune.train.FineTuning` built from
+- ours: the real fine-tuning code path. `albert_jax.finetune.train.fine_tuning` built from
   `configs/finetune.py:task=sentiment_rt`, the state of `train_state.create_state`, and
-  `train_state.make_step(objective.loss, ...)` jitted as `albert_jax/loop.py` jits it (in/out
+  `train_state.make_step(objective.model.loss, ...)` jitted as `albert_jax/loop.py` jits it (in/out
   shardings, state donated, under `jax.set_mesh` and the logical axis rules); each step's
-  batch comes from `objective.next_batch(step)`, placed by `sharding.put_batch`. `next_batch`
+  batch comes from `objective.data.next_batch(step)`, placed by `sharding.put_batch`. `next_batch`
   packs the batch's examples into rows (`config.pack_examples`, tasks/packing.py: rows of a
   length bucket >= 128 tokens, attention within each example), so a step runs over about the
   real tokens. Every shape the steps use is compiled and run once before any is timed
@@ -83,11 +83,11 @@ import numpy as np  # noqa: E402
 from absl import logging  # noqa: E402
 
 from albert_jax.finetune.settings import optimizer_config, validate_config  # noqa: E402
-from albert_jax.finetune.train import FineTuning  # noqa: E402
+from albert_jax.finetune.train import fine_tuning  # noqa: E402
 from albert_jax.interop.hf_checkpoint import to_hf_config  # noqa: E402
 from albert_jax.run_config import mesh_layout  # noqa: E402
 from albert_jax.runtime import process_setup  # noqa: E402
-from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, create_mesh, put_batch  # noqa: E402
+from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, put_batch  # noqa: E402
 from albert_jax.tasks.batching import train_batch, trim_to_bucket  # noqa: E402
 from albert_jax.train_state import create_state, make_step  # noqa: E402
 from benchmarks.train_step import paired_ratio, time_interleaved  # noqa: E402
@@ -153,24 +153,25 @@ def make_config(args: argparse.Namespace, tokenizer: str, max_seq_length: int) -
 
 
 class Ours:
-    """The fine-tuning step of `loop.Loop` on one FineTuning objective, batches from its
-    `next_batch`; `compile(steps)` compiles every batch shape those steps use. Must be built
-    under `jax.set_mesh(mesh)` and the logical axis rules, as the loop does."""
+    """The fine-tuning step of `loop.Loop` on one fine-tuning objective, batches from its data
+    half's `next_batch`; `compile(steps)` compiles every batch shape those steps use. Must be
+    built under `jax.set_mesh(mesh)` and the logical axis rules, as the loop does."""
 
     def __init__(self, config: Any, workdir: str, mesh: Any):
         spec = validate_config(config)
-        self.objective = objective = FineTuning(config, workdir, spec, mesh)
-        layout = create_state(objective, mesh, int(config.seed), objective.num_seeds)
-        self.state = layout.initialize(objective.initial_weights({}))  # init="": all fresh
+        self.objective = objective = fine_tuning(config, workdir, spec, mesh)
+        model = objective.model
+        layout = create_state(model, mesh, int(config.seed), model.num_seeds)
+        self.state = layout.initialize(model.initial_weights({}))  # init="": all fresh
         self.sharding = batch_sharding(mesh)
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self.jitted = jax.jit(
             make_step(
-                objective.loss,
+                model.loss,
                 layout.tx,
-                microbatches=objective.microbatches,
+                microbatches=model.microbatches,
                 seed=int(config.seed),
-                num_seeds=objective.num_seeds,
+                num_seeds=model.num_seeds,
             ),
             in_shardings=(layout.shardings, self.sharding),
             out_shardings=(layout.shardings, replicated),
@@ -180,8 +181,8 @@ class Ours:
         self.compile_s: dict[str, float] = {}
 
     def batch(self, step: int) -> dict[str, jax.Array]:
-        host = self.objective.next_batch(step)
-        return put_batch(host, self.sharding, self.objective.global_batch)
+        host = self.objective.data.next_batch(step)
+        return put_batch(host, self.sharding, self.objective.data.global_batch)
 
     def compile(self, steps: list[int]) -> None:
         """Compiles each batch shape of `steps` and runs it once on a copy of the state: an
@@ -352,7 +353,7 @@ def measure_length(
     warmup_steps = list(range(1, args.warmup + 1))
     timed_steps = list(range(args.warmup + 1, args.warmup + args.rounds + 1))
     config = make_config(args, tokenizer, length)
-    mesh = create_mesh(*mesh_layout(config))  # every device of the process
+    mesh = mesh_layout(config).create()  # every device of the process
     steps = warmup_steps + timed_steps
     with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
         ours = Ours(config, workdir, mesh)  # packed rows (config.pack_examples)
@@ -366,13 +367,13 @@ def measure_length(
             contenders["ours_buckets"] = ours_buckets.step
         objective = ours.objective
         # HF's rows: the examples of ours' steps, each cut to its real tokens.
-        batches = {s: train_batch(objective.data.train_arrays, s - 1, args.batch, config.seed)
-                   for s in steps}  # fmt: skip
+        arrays = objective.data.task_data.train_arrays
+        batches = {s: train_batch(arrays, s - 1, args.batch, config.seed) for s in steps}
         rows = {s: unpadded_rows(b) for s, b in batches.items()}
         bucket = {s: trim_to_bucket(b, ("input_mask",))[1] for s, b in batches.items()}
         ours_tokens = {s: ours.batch(s)["input_ids"].size / args.batch for s in steps}
-        hf_args = {"config": objective.config, "model_config": objective.model_config,
-                   "tokenizer": tokenizer, "labels": objective.spec.num_labels}  # fmt: skip
+        hf_args = {"config": config, "model_config": objective.model.model_config,
+                   "tokenizer": tokenizer, "labels": objective.data.spec.num_labels}  # fmt: skip
         for threads in args.hf_threads:
             hf = torch_process.build(f"hf_{threads}t", **hf_args, threads=threads)
             contenders[f"hf_{threads}t"] = lambda s, hf=hf: hf(rows[s])

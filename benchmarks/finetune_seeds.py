@@ -50,12 +50,11 @@ from absl import logging  # noqa: E402
 from albert_jax.finetune import seeds  # noqa: E402
 from albert_jax.finetune import train as finetune  # noqa: E402
 from albert_jax.finetune.settings import validate_config  # noqa: E402
-from albert_jax.finetune.train import FineTuning  # noqa: E402
+from albert_jax.finetune.train import fine_tuning  # noqa: E402
 from albert_jax.run_config import mesh_layout  # noqa: E402
 from albert_jax.sharding import (  # noqa: E402
     LOGICAL_AXIS_RULES,
     batch_sharding,
-    create_mesh,
     put_batch,
 )
 from albert_jax.train_state import create_state, make_step  # noqa: E402
@@ -80,16 +79,17 @@ def make_config(args: argparse.Namespace, tokenizer: str, num_seeds: int, seed: 
 
 class Program:
     """The loop's update step (train_state.create_state / make_step, jitted with shardings and
-    the state donated) on a FineTuning objective's batches."""
+    the state donated) on a fine-tuning objective's batches."""
 
     def __init__(self, config: Any, workdir: str, mesh: Any):
-        self.objective = FineTuning(config, workdir, validate_config(config), mesh)
-        n = self.objective.num_seeds
-        layout = create_state(self.objective, mesh, int(config.seed), n)
-        self.state = layout.initialize(self.objective.initial_weights({}))
+        self.objective = fine_tuning(config, workdir, validate_config(config), mesh)
+        model = self.objective.model
+        n = model.num_seeds
+        layout = create_state(model, mesh, int(config.seed), n)
+        self.state = layout.initialize(model.initial_weights({}))
         self.sharding = batch_sharding(mesh)
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        step = make_step(self.objective.loss, layout.tx, microbatches=1, seed=0, num_seeds=n)
+        step = make_step(model.loss, layout.tx, microbatches=1, seed=0, num_seeds=n)
         self.step_fn = jax.jit(
             step,
             in_shardings=(layout.shardings, self.sharding),
@@ -98,7 +98,8 @@ class Program:
         )
 
     def step(self, s: int) -> None:
-        batch = put_batch(self.objective.next_batch(s), self.sharding, self.objective.global_batch)
+        data = self.objective.data
+        batch = put_batch(data.next_batch(s), self.sharding, data.global_batch)
         self.state, metrics = self.step_fn(self.state, batch)
         jax.block_until_ready(metrics["loss"])
 
@@ -106,7 +107,7 @@ class Program:
 def step_times(args: argparse.Namespace, tokenizer: str, workdir: str) -> dict[str, Any]:
     """Median update-step seconds of the one-seed and the N-seed program, interleaved."""
     n = args.num_seeds
-    mesh = create_mesh(*mesh_layout(make_config(args, tokenizer, 1)))
+    mesh = mesh_layout(make_config(args, tokenizer, 1)).create()
     with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
         one = Program(make_config(args, tokenizer, 1), workdir + "/one", mesh)
         many = Program(make_config(args, tokenizer, n), workdir + "/many", mesh)

@@ -2,7 +2,7 @@
 
     python benchmarks/memory_plan.py --config=configs/pretrain.py:size=xxlarge --mesh=1,8,1 --json
 
-Compiles the real train step (`albert_jax.pretrain.train.make_train_step`, LAMB, shardings from the
+Compiles the real train step (`pretrain.model_half.make_train_step`, LAMB, shardings from the
 logical-axis rules) for abstract inputs on a mesh of that shape — with virtual CPU devices when
 no accelerator is attached, so it runs on a laptop — and reads XLA's buffer assignment:
 bytes per device for parameters, optimizer state, the batch, and temporaries (activations kept
@@ -49,7 +49,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from albert_jax.model.albert import AlbertForPreTraining  # noqa: E402
 from albert_jax.model.config import model_config_from  # noqa: E402
-from albert_jax.pretrain.train import (  # noqa: E402
+from albert_jax.pretrain.model_half import (  # noqa: E402
     create_train_state,
     make_train_step,
     pretraining_batch_shapes,

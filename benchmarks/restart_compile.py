@@ -29,9 +29,8 @@ def start(args: argparse.Namespace) -> dict[str, float]:
     import jax
 
     from albert_jax import train_state
-    from albert_jax.model.albert import AlbertForPreTraining
+    from albert_jax.pretrain.model_half import PretrainingModel, pretraining_batch_shapes
     from albert_jax.pretrain.settings import validate_config
-    from albert_jax.pretrain.train import PretrainingModel, pretraining_batch_shapes
     from albert_jax.run_config import with_fields
     from albert_jax.runtime import compile_cache
     from albert_jax.sharding import LOGICAL_AXIS_RULES, batch_sharding, create_mesh
@@ -53,8 +52,8 @@ def start(args: argparse.Namespace) -> dict[str, float]:
     compile_cache.use_for_run(args.cache_dir, args.cache_dir)
     clock = compile_cache.CompileClock.get()
     layout = validate_config(config, devices=jax.devices(), processes=1)
-    mesh = create_mesh(layout.mesh_shape)
-    objective = PretrainingModel(config, AlbertForPreTraining(layout.model_config), mesh)
+    mesh = create_mesh(layout.mesh.shape)
+    objective = PretrainingModel.from_settings(layout, mesh)
     shapes = pretraining_batch_shapes(args.batch, args.seq_len, config.max_predictions_per_seq)
     with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
         state_layout = train_state.create_state(objective, mesh, int(config.seed))

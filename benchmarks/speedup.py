@@ -48,7 +48,7 @@ import numpy as np  # noqa: E402
 from albert_jax.model import flops
 from albert_jax.model.albert import AlbertForPreTraining  # noqa: E402
 from albert_jax.model.config import model_config_from  # noqa: E402
-from albert_jax.pretrain import train  # noqa: E402
+from albert_jax.pretrain import model_half  # noqa: E402
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh  # noqa: E402
 from benchmarks.train_step import make_batch, paired_ratio  # noqa: E402
 from configs import pretrain  # noqa: E402
@@ -108,11 +108,11 @@ class ModelRun:
         device = jax.devices()[0]
         self.mesh = create_mesh((1, 1, 1), [device])
         with jax.set_mesh(self.mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
-            tx, abstract, shardings, self._initialize = train.create_train_state(
+            tx, abstract, shardings, self._initialize = model_half.create_train_state(
                 config, model, self.mesh
             )
             step_fn = jax.jit(
-                train.make_train_step(config, model, tx),
+                model_half.make_train_step(config, model, tx),
                 in_shardings=(shardings, None),
                 out_shardings=(shardings, None),
                 donate_argnums=(0,),
@@ -122,7 +122,9 @@ class ModelRun:
             self._compiled = step_fn.lower(abstract, self.batch).compile()
             self.compile_s = time.perf_counter() - start
         self.params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
-        self.step_flops = train.train_step_flops(model_config, args.batch, args.seq_len, args.preds)
+        self.step_flops = model_half.train_step_flops(
+            model_config, args.batch, args.seq_len, args.preds
+        )
         self._state: Any = None
 
     def load(self) -> None:

@@ -8,7 +8,7 @@ sentence-order loss, then an AdamW update. After `--warmup` untimed steps each, 
 take turns, one step each, for `--steps` rounds, and the median step time of each is reported:
 interleaving spreads the drift of a shared machine over all of them, so same-run ratios hold.
 
-- ours: `pretrain.train.make_train_step` (the step `train_and_evaluate` runs) on one device,
+- ours: `pretrain.model_half.make_train_step` (the step `train_and_evaluate` runs) on one device,
   with the optimizer switched to AdamW; the MLM head runs on the gathered masked positions only,
   and the last layer on the 1 + P rows the heads read ([CLS] and the masked positions).
   Measured twice: the default config (`nn.scan` over the layers, `remat_policy="dots"`) and
@@ -80,7 +80,7 @@ import optax  # noqa: E402
 from albert_jax.model import flops
 from albert_jax.model.albert import AlbertForPreTraining  # noqa: E402
 from albert_jax.model.config import ModelConfig, model_config_from  # noqa: E402
-from albert_jax.pretrain import train  # noqa: E402
+from albert_jax.pretrain import model_half  # noqa: E402
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh  # noqa: E402
 from benchmarks import kerashub_peer, torch_peer, trace_summary  # noqa: E402
 from configs import pretrain  # noqa: E402
@@ -177,11 +177,11 @@ def ours(
     model = AlbertForPreTraining(model_config)
     mesh = create_mesh((1, 1, 1), jax.devices()[:1])
     with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
-        tx, _, shardings, initialize = train.create_train_state(config, model, mesh)
+        tx, _, shardings, initialize = model_half.create_train_state(config, model, mesh)
         state = initialize()
         params = sum(int(x.size) for x in jax.tree.leaves(state.params))
         step_fn = jax.jit(
-            train.make_train_step(config, model, tx),
+            model_half.make_train_step(config, model, tx),
             in_shardings=(shardings, None),
             out_shardings=(shardings, None),
             donate_argnums=(0,),
@@ -368,7 +368,7 @@ def main() -> None:
 
     model_config = ModelConfig.preset(args.size)
     batch = make_batch(args.batch, args.seq, args.preds, model_config.vocab_size)
-    step_flops = train.train_step_flops(model_config, args.batch, args.seq, args.preds)
+    step_flops = model_half.train_step_flops(model_config, args.batch, args.seq, args.preds)
     peaks = [flops.measure_matmul_peak(args.peak_size, 5, args.dtype)]
     torch_peak_before = None
     if not args.no_hf:

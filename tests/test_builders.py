@@ -586,8 +586,7 @@ def test_pretraining_config_sets_the_read_bounds(tmp_path):
     config = get_config(f"size=tiny,data=raw_text/cfg={raw}")
     config.data.data_dir = str(tmp_path / "tfds")
     config.data.max_line_bytes = 100
-    train_config.validate_config(config)
-    prepare.build_sources(config)
+    prepare.build_sources(train_config.validate_config(config).prepare)
     builder = sources.build_source("raw_text/cfg", data_dir=config.data.data_dir)
     assert counters(builder) == {"documents": 2, "files": 1, "lines_too_long": 1}
     config.data.max_blank_lines = 0

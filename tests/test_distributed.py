@@ -49,7 +49,7 @@ from albert_jax.data.tokenizer import Tokenizer
 from albert_jax.model.albert import AlbertForPreTraining, init_params
 from albert_jax.model.config import model_config_from
 from albert_jax.pretrain import heldout as pretraining_eval
-from albert_jax.pretrain import train
+from albert_jax.pretrain import model_half
 from albert_jax.pretrain.settings import validate_config
 from albert_jax.runtime import checkpoint_dirs
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
@@ -342,7 +342,7 @@ def test_two_process_checkpoint_restores_exactly_in_one_process(jobs, corpus):
     model = AlbertForPreTraining(model_config_from(config))
     mesh = create_mesh((2, 2, 2))
     with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
-        _, abstract, shardings, _ = train.create_train_state(config, model, mesh)
+        _, abstract, shardings, _ = model_half.create_train_state(config, model, mesh)
         targets = (
             checkpointing.abstract_like(abstract.params, shardings.params),
             checkpointing.abstract_like(abstract.opt_state, shardings.opt_state),
@@ -492,7 +492,8 @@ def test_empty_eval_shards_are_padding_that_eval_does_not_count(shard_setup, cor
     model = AlbertForPreTraining(model_config_from(config))
     init = jax.jit(lambda rng: nn.meta.unbox(init_params(model, rng, batch_size=1, seq_len=8)))
     params = init(jax.random.key(0))["params"]
-    eval_step = jax.jit(pretraining_eval.make_eval_step(config, model))
+    sentence_order = config.objective != "none"
+    eval_step = jax.jit(pretraining_eval.make_eval_step(model, sentence_order=sentence_order))
     padded = jax.device_get(eval_step(params, batches[0]))
     # The padding rows replaced by real-looking rows (the real ones, labels flipped): still
     # weight 0, so nothing changes.

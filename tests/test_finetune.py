@@ -530,7 +530,9 @@ def test_init_with_another_tokenizer_is_refused(tmp_path_factory, shared_data, t
     config.data.allow_other_tokenizer = False
     spec = finetune_config.validate_config(config)
     mesh = create_mesh((-1, 1, 1))
-    assert finetune.FineTuning(config, str(tmp_path / "same"), spec, mesh).tokenizer.vocab_size
+    assert finetune.fine_tuning(
+        config, str(tmp_path / "same"), spec, mesh
+    ).data.tokenizer.vocab_size
 
 
 def test_a_workdir_of_another_run_kind_is_refused_naming_both(

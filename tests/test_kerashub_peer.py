@@ -11,7 +11,7 @@ import pytest
 
 from albert_jax.model.albert import AlbertForPreTraining
 from albert_jax.model.config import model_config_from
-from albert_jax.pretrain import train
+from albert_jax.pretrain import model_half
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
 from benchmarks import kerashub_peer, train_step
 
@@ -34,7 +34,7 @@ def test_same_parameter_count_as_ours(setup):
     config, model_config, keras_model = setup
     mesh = create_mesh((1, 1, 1), jax.devices()[:1])
     with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
-        _, abstract, _, _ = train.create_train_state(
+        _, abstract, _, _ = model_half.create_train_state(
             config, AlbertForPreTraining(model_config), mesh
         )
     ours = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract.params))

@@ -152,7 +152,7 @@ def jax_leaves(tree):
 
 def _training_lengths(config):
     """The lengths the training batches of `config` are cut to, from the public pieces
-    FineTuning uses: the features, `train_batch` of each step, `trim_to_bucket`."""
+    fine-tuning uses: the features, `train_batch` of each step, `trim_to_bucket`."""
     from albert_jax.data.tokenizer import Tokenizer
     from albert_jax.tasks import registry
     from albert_jax.tasks.batching import train_batch

@@ -139,17 +139,18 @@ def test_auto_packs_where_rows_hold_several_examples(tmp_path_factory, shared_da
 
 
 def _objective(config, workdir):
-    """The FineTuning objective of `config` on its mesh, as the loop builds it."""
+    """The data half of the fine-tuning objective of `config` on its mesh, as the loop builds
+    it."""
     import flax.linen as nn
 
     from albert_jax.finetune.settings import validate_config
-    from albert_jax.finetune.train import FineTuning
+    from albert_jax.finetune.train import fine_tuning
     from albert_jax.run_config import mesh_layout
-    from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
+    from albert_jax.sharding import LOGICAL_AXIS_RULES
 
-    mesh = create_mesh(*mesh_layout(config))
+    mesh = mesh_layout(config).create()
     with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
-        return FineTuning(config, str(workdir), validate_config(config), mesh)
+        return fine_tuning(config, str(workdir), validate_config(config), mesh).data
 
 
 @pytest.mark.parametrize(

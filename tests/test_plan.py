@@ -451,4 +451,4 @@ def test_auto_mesh_plans_with_the_targets_hbm():
     )  # fmt: skip
     target = plan.make_target("v4-64")
     layout = validate_config(config, devices=target.devices, processes=target.processes)
-    assert layout.mesh_shape == (4, 8, 1)
+    assert layout.mesh.shape == (4, 8, 1)

@@ -458,7 +458,8 @@ def test_resume_with_another_tokenizer_is_refused(corpus, tokenizer, tmp_path):
     with pytest.raises(ValueError, match=re.escape(
             f"config.data.tokenizer={tokenizer.model_path!r} is not this run's tokenizer "
             f"{workdir / 'tokenizer.model'}")):  # fmt: skip
-        prepare.prepare_tokenizer(config, str(workdir))
+        prepare.prepare_tokenizer(prepare.PrepareSettings.from_config(config), str(workdir))
     assert (workdir / "tokenizer.model").read_bytes() == own
     config.data.tokenizer = corpus["tokenizer"]  # the same model under another path: fine
-    assert prepare.prepare_tokenizer(config, str(workdir)).vocab_size == 1000
+    settings = prepare.PrepareSettings.from_config(config)
+    assert prepare.prepare_tokenizer(settings, str(workdir)).vocab_size == 1000

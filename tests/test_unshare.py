@@ -33,7 +33,6 @@ from albert_jax.model.config import ModelConfig
 from albert_jax.pretrain import train
 from albert_jax.pretrain.settings import validate_config
 from albert_jax.pretrained import load_pretrained, save_model_dir
-from albert_jax.sharding import create_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # test_train's pretraining model (vocab of the corpus tokenizer) at 4 layers: every model here
@@ -192,7 +191,8 @@ def test_cli_unshare_then_pretraining_continues_at_the_shared_loss(corpus, tmp_p
 
     # The continued run (1 step from the unshared dir) and the shared model's loss on that run's
     # step-1 batch, computed directly: the batch and the loss are the loop's own
-    # (`train.Pretraining`: its data stream from step 0, `next_batch`, `loss`).
+    # (`train.pretraining`: its data half's stream from step 0, `next_batch`; its model half's
+    # `loss`).
     overrides = small_overrides(
         corpus, num_train_steps=1, warmup_steps=0, checkpoint_every_steps=100
     )
@@ -201,20 +201,17 @@ def test_cli_unshare_then_pretraining_continues_at_the_shared_loss(corpus, tmp_p
     assert train.train_and_evaluate(unshared_config, run_none)["step"] == 1
     continued = losses_by_step(run_none)[1]
     shared_config = make_config({**overrides, "model.sharing": "all", "init_from": shared_dir})
-    layout = validate_config(shared_config)
-    mesh = create_mesh(layout.mesh_shape, devices=layout.devices)
-    objective = train.Pretraining(
-        shared_config, str(tmp_path / "unused"), layout, mesh,
-        Tokenizer(corpus["tokenizer"]),
-    )  # fmt: skip
+    settings = validate_config(shared_config)
+    mesh = settings.mesh.create()
+    objective = train.pretraining(settings, mesh, Tokenizer(corpus["tokenizer"]))
     try:
-        objective.start(0, None, None)
-        batch = objective.next_batch(1)
+        objective.data.start(0, None, None)
+        batch = objective.data.next_batch(1)
     finally:
-        objective.close()
+        objective.data.close()
     shared_params = load_pretrained(shared_dir).params
     # (no dropout in these models: the key is unused)
-    shared_loss, _ = jax.jit(objective.loss)(shared_params, batch, jax.random.key(0))
+    shared_loss, _ = jax.jit(objective.model.loss)(shared_params, batch, jax.random.key(0))
     # The same batch through the same function; the two compiled programs (one device here,
     # the run's data-parallel step there) may round the last bits differently (see
     # test_unshared_model_is_the_shared_function_bit_for_bit).

@@ -27,7 +27,7 @@ import numpy as np
 
 from albert_jax import convert, glue_table, loop, main, pretrained
 from albert_jax.finetune import train as finetune
-from albert_jax.pretrain import train
+from albert_jax.pretrain import model_half
 from albert_jax.model.config import model_config_from
 from albert_jax.model.albert import AlbertForPreTraining
 from albert_jax.sharding import LOGICAL_AXIS_RULES, create_mesh
@@ -53,9 +53,9 @@ batch = dict(
     sentence_order_label=np.array([0, 1, 0, 1], np.int32),
 )
 with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
-    tx, _, shardings, initialize = train.create_train_state(config, model, mesh)
+    tx, _, shardings, initialize = model_half.create_train_state(config, model, mesh)
     step = jax.jit(
-        train.make_train_step(config, model, tx),
+        model_half.make_train_step(config, model, tx),
         in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0,
     )
     state = initialize()

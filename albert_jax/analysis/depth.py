@@ -6,7 +6,7 @@ An all-shared ALBERT has one set of layer weights whatever its depth, so the sam
 runs with any number of layer applications (`ModelConfig.with_depth`; a grouped model at a
 multiple of its groups). For each L' this measures what the training loop logs at its
 evaluations, on the same held-out pretraining batches (`analysis.heldout`): eval MLM / SOP
-accuracy and loss (`pretraining_eval.make_eval_step` + `evaluate_batches`). At the trained depth the
+accuracy and loss (`pretrain.heldout.make_eval_step` + `evaluate_batches`). At the trained depth the
 numbers are the run's own `eval_*` metrics.
 
 Prints one JSON line with --json: `{"layers": [...], "eval_mlm_accuracy": [...],
@@ -79,7 +79,11 @@ def sweep(data: heldout.Heldout, layers: Sequence[int]) -> dict[str, Any]:
     with data.context():
         params, batches = data.params(), data.placed_batches()
         for config in configs:
-            eval_step = jax.jit(make_eval_step(data.config, AlbertForPreTraining(config)))
+            eval_step = jax.jit(
+                make_eval_step(
+                    AlbertForPreTraining(config), sentence_order=data.config.objective != "none"
+                )
+            )
             metrics = evaluate_batches(eval_step, params, batches)
             for name in METRICS:
                 result[name].append(metrics.get(name))

@@ -171,7 +171,7 @@ def load(
     """
     from albert_jax.data import pipeline
     from albert_jax.data.tokenizer import Tokenizer
-    from albert_jax.pretrain.prepare import build_sources
+    from albert_jax.pretrain.prepare import PrepareSettings, build_sources
     from albert_jax.pretrained import load_pretrained
 
     if num_batches < 1:
@@ -189,7 +189,7 @@ def load(
             f"the tokenizer has {tokenizer.vocab_size} pieces, the model of {init} only "
             f"{pretrained.config.vocab_size} embeddings"
         )
-    build_sources(config)
+    build_sources(PrepareSettings.from_config(config))
     batches = list(
         pipeline.make_eval_iterator(
             config, tokenizer, split=config.data.eval_split, num_batches=num_batches

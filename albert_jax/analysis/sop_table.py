@@ -141,7 +141,7 @@ def cross_evaluate(workdirs: Sequence[str], *, eval_batches: int = 0) -> dict[st
     rows = []
     for workdir, config, loaded in runs:
         if loaded.config not in steps:
-            eval_sums = make_eval_step(config, loaded.model, sentence_order=True)
+            eval_sums = make_eval_step(loaded.model, sentence_order=True)
             steps[loaded.config] = jax.jit(eval_sums)
         cells = {}
         for task in TASKS:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from albert_jax import files
@@ -43,30 +43,23 @@ class DataConfig:
     # number of processes; it must be a multiple of the process count and divide batch_size.
     num_shards: int = 0
 
-    # (config field, DataConfig field): looked up in `config.data` first, then `config`.
-    _ALIASES = {"max_ngram": "ngram"}
-
     @classmethod
     def from_config(cls, config: Any, *, process_count: int = 1, **overrides: Any) -> DataConfig:
         """Reads a config-like object (ml_collections / dataclass / dict) and validates it for
         a run of `process_count` processes: the one place a run builds and checks its data
-        settings (`train_config.validate_config`); the iterators take them as they are.
+        settings (`pretrain.settings.validate_config`); the iterators take them as they are.
 
-        Top-level: seq_len, max_predictions_per_seq, batch_size, objective, seed. In `data`
-        (or top-level): sources, data_dir, cache_dir, short_seq_prob, masked_lm_prob,
-        max_ngram (or ngram), sop_single_segment, num_workers, prefetch, num_shards.
+        Each field has one place (`FIELDS`): seq_len, max_predictions_per_seq, batch_size,
+        objective and seed at the top level; the sources, the masking (masked_lm_prob,
+        max_ngram), short_seq_prob, sop_single_segment and the workers in `config.data`.
+        A field the config lacks keeps its default.
         """
-        values: dict[str, Any] = {}
         data = _get(config, "data")
-        names = {f.name for f in fields(cls)}
-        for name in names:
-            for where in (data, config):
-                if where is None:
-                    continue
-                for alias in [name, *[a for a, n in cls._ALIASES.items() if n == name]]:
-                    value = _get(where, alias)
-                    if value is not None and name not in values:
-                        values[name] = value
+        values: dict[str, Any] = {}
+        for name, (section, key) in FIELDS.items():
+            value = _get(data if section == "data" else config, key)
+            if value is not None:
+                values[name] = value
         values.update(overrides)
         cfg = cls(**values)
         cfg.validate(process_count)
@@ -110,6 +103,17 @@ class DataConfig:
         if self.num_workers < 0:
             raise ValueError(f"num_workers must be >= 0 (got {self.num_workers})")
         check_shards(self.shard_count(process_count), process_count, self.batch_size)
+
+
+#: {DataConfig field: (where in a run's config: "top" or "data", the config's name)}.
+FIELDS: dict[str, tuple[str, str]] = {
+    **{name: ("top", name) for name in (
+        "seq_len", "max_predictions_per_seq", "batch_size", "objective", "seed")},
+    **{name: ("data", name) for name in (
+        "sop_single_segment", "short_seq_prob", "masked_lm_prob", "sources", "data_dir",
+        "cache_dir", "num_workers", "prefetch", "num_shards")},
+    "ngram": ("data", "max_ngram"),
+}  # fmt: skip
 
 
 def check_shards(num_shards: int, process_count: int, batch_size: int) -> None:

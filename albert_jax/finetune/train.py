@@ -1,5 +1,7 @@
 """Fine-tuning and evaluation: `finetune_and_evaluate(config, workdir)` = the one loop
-(`albert_jax.loop`) + a task kind (`tasks/kinds.py`) + the pretrained init merge + outputs.
+(`albert_jax.loop`) + the objective `fine_tuning` builds: its model half `TaskModel` (a task
+kind's head, `tasks/kinds.py`, with the pretrained init merged) and its data half
+`FineTuningData` (the task's batches, scoring, outputs).
 
   init checkpoint (one read, `backbone_init.read_init`: ours, HF or TF1; of a checkpoint of
   several seeds the run of `init_run_seed`) -> backbone params `albert` + the task head
@@ -37,7 +39,6 @@ Files written (process 0):
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -50,7 +51,7 @@ from jax.sharding import Mesh
 
 from albert_jax import checkpointing, files
 from albert_jax.finetune import seeds
-from albert_jax.finetune.backbone_init import InitReport, merge_pretrained, read_init
+from albert_jax.finetune.backbone_init import read_init
 from albert_jax.finetune.settings import (
     check_batch,
     dont_load_patterns,
@@ -58,18 +59,19 @@ from albert_jax.finetune.settings import (
     validate_config,
 )
 from albert_jax.finetune.task_model import TaskModel
-from albert_jax.loop import DebugHooks, Loop
-from albert_jax.model import heads
+from albert_jax.loop import Loop, Objective
 from albert_jax.model.config import ModelConfig
 from albert_jax.pretrained import Checkpoint
-from albert_jax.run_config import mesh_layout
+from albert_jax.run_config import loop_settings, mesh_layout
 from albert_jax.runtime import compile_cache, workdir_lease
-from albert_jax.sharding import create_mesh, fetch
+from albert_jax.sharding import fetch
 from albert_jax.tasks.kinds import get_kind
 from albert_jax.tasks.registry import TaskSpec
 from albert_jax.tasks.task_data import TaskData
 
-__all__ = ["EVAL_RESULTS_FILE", "FineTuning", "build_model", "finetune_and_evaluate"]
+__all__ = [
+    "EVAL_RESULTS_FILE", "FineTuningData", "build_model", "fine_tuning", "finetune_and_evaluate"
+]  # fmt: skip
 
 PyTree = Any
 EVAL_RESULTS_FILE = "eval_results.json"
@@ -81,141 +83,113 @@ def build_model(spec: TaskSpec, model_config: ModelConfig, config: Any) -> nn.Mo
 
 
 # ----------------------------------------------------------------------------------------------
-# The fine-tuning objective of the loop
+# The fine-tuning objective of the loop: `TaskModel` + `FineTuningData`
 
 
-class FineTuning(TaskModel):
-    """One task on one init (`loop.Objective`): the task model and loss of its kind
-    (`TaskModel`), the init checkpoint merged into it, scoring with the official metrics and
-    the files written at the end. Its data — examples, features, packing, every step's batch
-    and the eval batches — is `self.data` (`tasks.task_data.TaskData`)."""
+def fine_tuning(
+    config: Any, workdir: str, spec: TaskSpec, mesh: Mesh, data_cls: type | None = None
+) -> Objective:
+    """One task on one init: the init checkpoint and tokenizer read once, the task model
+    (`TaskModel`, the checkpoint merged into it) and its data (`FineTuningData`, or
+    `data_cls`: a sweep group's)."""
+    kind = get_kind(spec.kind)
+    check_batch("batch_size", config.batch_size, mesh)
+    check_batch("eval_batch_size", config.eval_batch_size, mesh)
+    # N seeds in one program: each seed's batch of `batch_size` rows, interleaved.
+    run_seeds = seeds.seeds_of(config.seed, config.num_seeds)
+    checkpoint = read_init(config)  # None: from scratch
+    tokenizer, tokenizer_path = _tokenizer(config, checkpoint)
+    pretrained = checkpoint.config if checkpoint else None
+    task_config = model_config(config, pretrained, tokenizer.vocab_size)
+    if jax.process_index() == 0 and tokenizer_path:
+        files.copy(tokenizer_path, files.as_path(workdir) / checkpointing.TOKENIZER_FILE)
+    # Examples, features, the packing decision and every step's batch.
+    rows = mesh.shape["data"] * mesh.shape["fsdp"]  # the batches split over the mesh
+    task_data = TaskData(config, kind, tokenizer, run_seeds, rows, jax.process_count())
+    model = TaskModel(
+        config, kind, build_model(spec, task_config, config), task_data.init_batch,
+        task_data.total_steps, len(run_seeds), mesh, num_labels=spec.num_labels,
+        checkpoint=checkpoint, dont_load=dont_load_patterns(config.get("init_dont_load", "")),
+    )  # fmt: skip
+    data = (data_cls or FineTuningData)(config, workdir, spec, task_data, tokenizer)
+    return Objective(model, data)
 
-    flops_per_step = None
+
+def _tokenizer(config: Any, init: Checkpoint | None) -> tuple[Any, str | None]:
+    """(the run's tokenizer, the file to copy into the workdir): `config.data.tokenizer`
+    (which must be the checkpoint's, unless `allow_other_tokenizer`), else the checkpoint's."""
+    from albert_jax.data.tokenizer import Tokenizer
+
+    path = config.data.tokenizer
+    if path:
+        if not files.as_path(path).is_file():
+            raise ValueError(f"config.data.tokenizer={path!r} does not exist")
+        given = Tokenizer(path)
+        own = init.tokenizer if init is not None else None
+        allowed = bool(config.data.get("allow_other_tokenizer", False))
+        if own is not None and given.fingerprint != own.fingerprint and not allowed:
+            # Any vocabulary no larger than the checkpoint's loads, so ids of another
+            # tokenizer would silently read unrelated pretrained embeddings.
+            raise ValueError(
+                f"config.data.tokenizer={path!r} is not the tokenizer of the checkpoint "
+                f"{config.init!r} ({init.tokenizer_path}), whose embeddings are "
+                "indexed by its ids: unset config.data.tokenizer to use the checkpoint's, "
+                "or set config.data.allow_other_tokenizer=True if the ids are the same"
+            )
+        return given, path
+    if init is not None and init.tokenizer is not None:
+        return init.tokenizer, init.tokenizer_path
+    raise ValueError(
+        f"no tokenizer: the checkpoint {config.init!r} has none; set "
+        "--config.data.tokenizer=PATH/TO/spm.model"
+    )
+
+
+class FineTuningData:
+    """Fine-tuning's data half (`loop.DataHalf`): the task's batches (`tasks.task_data.TaskData`:
+    examples, features, packing, every step's batch and the eval batches), scoring with the
+    official metrics, and the files written at the end."""
+
     final_eval = True  # the results of the run are the evaluation after its last step
-    eval_reduces = False  # eval_fn returns per-row outputs, scored on the host
-    progress_fields = (("loss", "loss"), ("acc", "accuracy"))  # regression: the loss alone
 
-    def __init__(self, config: Any, workdir: str, spec: TaskSpec, mesh: Mesh):
+    def __init__(self, config: Any, workdir: str, spec: TaskSpec, task_data: TaskData,
+                 tokenizer: Any):  # fmt: skip
         self.config, self.workdir, self.spec = config, workdir, spec
-        self.task = str(config.task)
-        self.kind = get_kind(spec.kind)
-        short = {"accuracy": "acc", "exact_match": "em"}
-        self.eval_progress_fields = tuple((short.get(m, m), f"eval_{m}") for m in spec.metrics)
-        check_batch("batch_size", config.batch_size, mesh)
-        check_batch("eval_batch_size", config.eval_batch_size, mesh)
-        # N seeds in one program: each seed's batch of `batch_size` rows, interleaved.
-        self.seeds = seeds.seeds_of(config.seed, config.num_seeds)
+        self.kind, self.task_data, self.tokenizer = get_kind(spec.kind), task_data, tokenizer
+        self.seeds = task_data.seeds
         self.num_seeds = len(self.seeds)
         self.global_batch = int(config.batch_size) * self.num_seeds
-        self.eval_every_steps = int(config.eval_every_steps)
-
-        # --- checkpoint (read once: weights, model config, tokenizer) and model config
-        self.dont_load = dont_load_patterns(config.get("init_dont_load", ""))
-        self.checkpoint = read_init(config)  # None: from scratch
-        self.tokenizer, tokenizer_path = self._tokenizer(self.checkpoint)
-        self.model_config = model_config(
-            config, self.checkpoint.config if self.checkpoint else None, self.tokenizer.vocab_size
-        )
-        self.model = build_model(spec, self.model_config, config)
-        self.lay_on(mesh)
-        if jax.process_index() == 0 and tokenizer_path:
-            files.copy(tokenizer_path, files.as_path(workdir) / checkpointing.TOKENIZER_FILE)
-
-        # --- data: examples, features, the packing decision and every step's batch
-        rows = mesh.shape["data"] * mesh.shape["fsdp"]  # the batches split over the mesh
-        self.data = TaskData(config, self.kind, self.tokenizer, self.seeds, rows,
-                             jax.process_count())  # fmt: skip
-        self.total_steps = self.data.total_steps
-        self.init_batch = self.data.init_batch
-        self.report: dict[str, Any] | None = None  # InitReport.as_dict()
+        self.total_steps = task_data.total_steps
+        short = {"accuracy": "acc", "exact_match": "em"}
+        self.eval_progress_fields = tuple((short.get(m, m), f"eval_{m}") for m in spec.metrics)
         self.results: dict[str, Any] = {}  # of the last evaluation
         self.predictions: list[list[Any]] = []  # [run][eval set]: each run's predictions
-
-    def _tokenizer(self, init: Checkpoint | None) -> tuple[Any, str | None]:
-        from albert_jax.data.tokenizer import Tokenizer
-
-        path = self.config.data.tokenizer
-        if path:
-            if not files.as_path(path).is_file():
-                raise ValueError(f"config.data.tokenizer={path!r} does not exist")
-            given = Tokenizer(path)
-            own = init.tokenizer if init is not None else None
-            allowed = bool(self.config.data.get("allow_other_tokenizer", False))
-            if own is not None and given.fingerprint != own.fingerprint and not allowed:
-                # Any vocabulary no larger than the checkpoint's loads, so ids of another
-                # tokenizer would silently read unrelated pretrained embeddings.
-                raise ValueError(
-                    f"config.data.tokenizer={path!r} is not the tokenizer of the checkpoint "
-                    f"{self.config.init!r} ({init.tokenizer_path}), whose embeddings are "
-                    "indexed by its ids: unset config.data.tokenizer to use the checkpoint's, "
-                    "or set config.data.allow_other_tokenizer=True if the ids are the same"
-                )
-            return given, path
-        if init is not None and init.tokenizer is not None:
-            return init.tokenizer, init.tokenizer_path
-        raise ValueError(
-            f"no tokenizer: the checkpoint {self.config.init!r} has none; set "
-            "--config.data.tokenizer=PATH/TO/spm.model"
-        )
-
-    # ---------------------------------------------------------------------------- weights
-    def initial_weights(self, abstract: Mapping[str, Any]) -> dict[str, Any]:
-        """The checkpoint's weights the task model has (reported: loaded / missing, which the
-        loop initializes / unexpected)."""
-        if self.checkpoint is None:
-            self.report = InitReport("", "scratch", [], sorted(abstract), []).as_dict()
-            return {}
-        if self.num_seeds > 1:  # every seed starts from the same checkpoint weights
-            abstract = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in abstract.items()}
-        loaded, missing, unexpected = merge_pretrained(
-            abstract, self.checkpoint.weights, self.dont_load
-        )
-        source, path = self.checkpoint.source, self.config.init
-        self.report = InitReport(path, source, list(loaded), missing, unexpected).as_dict()
-        logging.info("init from %s checkpoint %s: %d weights loaded", source, path, len(loaded))
-        if missing:
-            logging.warning(
-                "initialized %d weights the checkpoint lacks: %s", len(missing), missing
-            )
-        if unexpected:
-            logging.warning("%d checkpoint weights unused: %s", len(unexpected), unexpected)
-        return loaded
 
     # -------------------------------------------------------------------------------- data
     @property
     def packing(self) -> bool:
         """Whether training rows are packed (`config.pack_examples` or auto's decision)."""
-        return self.data.packing
+        return self.task_data.packing
 
     def data_state(self, step: int) -> dict[str, Any]:
-        return self.data.state(step)
+        return self.task_data.state(step)
 
     def check_resume(self, saved: Any, step: int) -> None:
-        self.data.check_resume(saved, step, self.workdir)
+        self.task_data.check_resume(saved, step, self.workdir)
 
     def start(self, step: int, saved_data: Any, meta: Mapping[str, Any] | None) -> None:
-        self.data.resume_packing(saved_data)
-        if meta is not None:  # resumed: the init report of the run's first start
+        self.task_data.resume_packing(saved_data)
+        if meta is not None:
             logging.info("resumed fine-tuning at step %d from %s", step, self.workdir)
-            self.report = meta.get("init")
-            if self.report is None:  # checkpoints written before init reports went into meta
-                earlier = files.as_path(self.workdir) / EVAL_RESULTS_FILE
-                self.report = files.read_json(earlier).get("init") if earlier.exists() else None
 
     def next_batch(self, step: int) -> dict[str, np.ndarray]:
-        return self.data.batch(step)
+        return self.task_data.batch(step)
 
     def data_report(self) -> dict[str, Any]:
-        return self.data.report()
+        return self.task_data.report()
 
     def meta(self) -> dict[str, Any]:
-        return {
-            "task": self.config.task,
-            "head": heads.head_name(self.model),
-            "num_labels": self.spec.num_labels,
-            "config": json.loads(self.config.to_json_best_effort()),
-            "init": self.report,
-        }
+        return {}
 
     # ---------------------------------------------------------------------------- evaluation
     def evaluate(self, params: PyTree, put: Any, eval_step: Any) -> dict[str, Any]:
@@ -229,9 +203,9 @@ class FineTuning(TaskModel):
         def run(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
             return fetch(eval_step(params, put(batch, rows)))
 
-        several = len(self.data.eval_sets) > 1
-        for eval_set, features in self.data.eval_pairs():
-            outputs = self.data.eval_outputs(features, run)
+        several = len(self.task_data.eval_sets) > 1
+        for eval_set, features in self.task_data.eval_pairs():
+            outputs = self.task_data.eval_outputs(features, run)
             prefix = f"{eval_set.name}/" if several else ""
             for i in range(runs):
                 run_outputs = outputs if runs == 1 else {k: v[:, i] for k, v in outputs.items()}
@@ -274,26 +248,27 @@ class FineTuning(TaskModel):
         """One run's prediction files (of each eval set) in `where`."""
         files.as_path(where).mkdir(parents=True, exist_ok=True)
         written = []
-        pairs = zip(self.data.eval_sets, predictions, strict=True)
-        for k, (eval_set, preds) in enumerate(pairs):
-            suffix = f"_{k}" if len(self.data.eval_sets) > 1 else ""
+        eval_sets = self.task_data.eval_sets
+        for k, (eval_set, preds) in enumerate(zip(eval_sets, predictions, strict=True)):
+            suffix = f"_{k}" if len(eval_sets) > 1 else ""
             written += self.kind.write_predictions(where, suffix, eval_set, preds)
         return written
 
-    def run_results(self, step: int, metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def run_results(
+        self, step: int, init: Any, metrics: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
         """eval_results.json of a run that trained to `step`: the task, the step, the
-        evaluation's results (`metrics`, or the run's), the data and init reports (the
-        prediction files are added by the caller)."""
+        evaluation's results (`metrics`, or the run's), the data report and the init report
+        (`init`: the model half's; the prediction files are added by the caller)."""
         metrics = self.results if metrics is None else metrics
         return {"task": self.config.task, "step": step, **metrics,
-                "data": self.data_report(), "init": self.report, "preempted": False}  # fmt: skip
+                "data": self.data_report(), "init": init, "preempted": False}  # fmt: skip
 
     def finish(self, loop: Loop, step: int) -> dict[str, Any]:
         """After the last step: eval_results.json (and the prediction files), N seeds' failed
         ones restarted (`config.restart_failed_seeds`); returns the results."""
-        del loop
         config, workdir = self.config, self.workdir
-        results = self.run_results(step)
+        results = self.run_results(step, loop.model.report)
         if jax.process_index() == 0:
             results["prediction_files"] = self.write_predictions()
         if self.num_seeds > 1 and results["failed_seeds"] and config.restart_failed_seeds:
@@ -310,12 +285,12 @@ class FineTuning(TaskModel):
 
 
 def finetune_and_evaluate(
-    config: Any, workdir: str, make_objective: Callable[..., FineTuning] | None = None
+    config: Any, workdir: str, make_objective: Callable[..., Objective] | None = None
 ) -> dict[str, Any]:
     """Fine-tunes `config.init` on `config.task` and evaluates it; returns the eval results
     (also written to WORKDIR/eval_results.json; see the module docstring).
-    `make_objective(config, workdir, spec, mesh)` builds the objective: `FineTuning` by
-    default, a sweep group's several runs (`sweep_group.GroupedFineTuning`).
+    `make_objective(config, workdir, spec, mesh)` builds the objective: `fine_tuning` by
+    default, a sweep group's several runs (`sweep.group.grouped_fine_tuning`).
 
     Raises:
       ValueError: a bad config or data (before anything is compiled).
@@ -325,22 +300,23 @@ def finetune_and_evaluate(
     spec = validate_config(config)
     workdir = files.run_directory(workdir)
     with workdir_lease.hold(workdir) as lease:  # one run per workdir, before it is written
-        return _finetune(config, workdir, spec, lease, make_objective or FineTuning)
+        return _finetune(config, workdir, spec, lease, make_objective or fine_tuning)
 
 
 def _finetune(
-    config: Any, workdir: str, spec: Any, lease: Any, make_objective: Callable[..., FineTuning]
+    config: Any, workdir: str, spec: Any, lease: Any, make_objective: Callable[..., Objective]
 ) -> dict[str, Any]:
     """`finetune_and_evaluate` once the config is valid and the workdir leased."""
-    compile_cache.use_for_run(config.get("compilation_cache_dir", ""), workdir)
+    settings = loop_settings(config)
+    compile_cache.use_for_run(settings.compilation_cache_dir, workdir)
     # config.mesh.auto sizes the layout by the `size` preset with config.model's fields (the
     # checkpoint is read later, by the objective); an explicit mesh is checked there too.
     preset = None
     if config.mesh.get("auto", False):
         preset = model_config(config, None, ModelConfig.preset(config.size).vocab_size)
-    mesh = create_mesh(*mesh_layout(config, preset), slices=int(config.mesh.get("slices", 0)))
+    mesh = mesh_layout(config, preset).create()
     objective = make_objective(config, workdir, spec, mesh)
-    loop = Loop(objective, config, workdir, mesh, lease=lease, debug=DebugHooks.from_config(config))
+    loop = Loop(objective, settings, workdir, mesh, lease=lease)
     try:
         summary = loop.run()
     finally:
@@ -349,7 +325,7 @@ def _finetune(
     if summary["preempted"]:
         return {"task": config.task, "step": step, "preempted": True,
                 "checkpoint_step": summary["checkpoint_step"]}  # fmt: skip
-    return objective.finish(loop, step)  # (the loop closed: a restart of seeds opens its own)
+    return objective.data.finish(loop, step)  # (the loop closed: a restart of seeds opens its own)
 
 
 RESTART_DIR = "restarted_seeds"

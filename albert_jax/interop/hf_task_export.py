@@ -116,7 +116,7 @@ def fine_tuning_run(path: str) -> FineTunedRun | None:
         return None
     step_dir = checkpoint_dirs.latest_step_dir(path) if layout == "workdir" else path
     meta = checkpoint_dirs.read_json_item(files.as_path(step_dir) / "meta")
-    # FineTuning.meta() writes task and head; pretraining checkpoints have neither.
+    # TaskModel.meta() writes task and head; pretraining checkpoints have neither.
     if not isinstance(meta, dict) or "head" not in meta or "task" not in meta:
         return None
     from albert_jax.tasks.registry import get_task

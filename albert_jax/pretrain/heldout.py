@@ -36,9 +36,7 @@ def model_inputs(batch: Mapping[str, jax.Array]) -> tuple[jax.Array, ...]:
     )
 
 
-def make_eval_step(
-    config: Any, model: AlbertForPreTraining, *, sentence_order: bool | None = None
-) -> Callable:
+def make_eval_step(model: AlbertForPreTraining, *, sentence_order: bool) -> Callable:
     """(params, batch) → weighted sums over the batch, so that batches of any count (and
     padding rows, weight 0) combine exactly.
 
@@ -48,11 +46,9 @@ def make_eval_step(
     [B], by the kind of pair (`sop_sequences_by_kind`, `sop_correct_by_kind` [K], K =
     len(PAIR_KINDS)); a batch without it gives the totals only.
 
-    `sentence_order`: whether the SOP / NSP head is measured (default: when the objective has
-    one); the cross-evaluation of `analysis.sop_table` measures an MLM-only model's head too.
+    `sentence_order`: whether the SOP / NSP head is measured (`config.objective != "none"`;
+    the cross-evaluation of `analysis.sop_table` measures an MLM-only model's head too).
     """
-    if sentence_order is None:
-        sentence_order = config.objective != "none"
 
     def eval_step(params: PyTree, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         outputs = model.apply(

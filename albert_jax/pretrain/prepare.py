@@ -5,6 +5,7 @@ Process 0 does the work; the others wait at a barrier and then read the same fil
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
@@ -15,10 +16,39 @@ from jax.experimental import multihost_utils
 
 from albert_jax import checkpointing, files
 from albert_jax.data import line_reading
-from albert_jax.model.config import model_config_from
-from albert_jax.run_config import config_field
 
 PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareSettings:
+    """What `build_sources` and `prepare_tokenizer` read (`pretrain.settings`)."""
+
+    sources: str  # the `data.sources` spec
+    data_dir: str | None  # TFDS data dir
+    tokenizer: str  # config.data.tokenizer ("": the workdir's, the source runs', or trained)
+    tokenizer_max_sentences: int  # sentences a trained tokenizer reads
+    limits: line_reading.LineLimits  # the read bounds of the input files
+    vocab_size: int  # pieces of a trained tokenizer
+    seed: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> PrepareSettings:
+        """The section of a pretraining config (`config.data`'s source and tokenizer fields,
+        `config.model.vocab_size` or the size preset's, `config.seed`); raises ValueError
+        naming a bad read bound."""
+        from albert_jax.model.config import model_config_from
+
+        data = config.data
+        return cls(
+            sources=data.sources,
+            data_dir=data.get("data_dir"),
+            tokenizer=data.get("tokenizer") or "",
+            tokenizer_max_sentences=int(data.get("tokenizer_max_sentences", 1_000_000)),
+            limits=line_reading.LineLimits.from_config(data, "config.data"),
+            vocab_size=model_config_from(config).vocab_size,
+            seed=int(config.seed),
+        )
 
 
 def barrier(name: str) -> None:
@@ -33,16 +63,14 @@ def _find_tokenizer(directory: str | None) -> str | None:
     return str(path) if path.is_file() else None
 
 
-def _train_tokenizer_texts(config: Any) -> Any:
+def _train_tokenizer_texts(settings: PrepareSettings) -> Any:
     """Sentences of the train split, at most `tokenizer_max_sentences`, split by source weight."""
     from albert_jax.data import sentences, sources
 
-    limit = int(config_field(config, "data.tokenizer_max_sentences", 1_000_000))
-    for src in sources.parse_sources(config.data.sources):
+    limit = settings.tokenizer_max_sentences
+    for src in sources.parse_sources(settings.sources):
         quota = max(1, math.ceil(limit * src.weight))
-        docs = sources.iter_documents(
-            src, split="train", data_dir=config_field(config, "data.data_dir")
-        )
+        docs = sources.iter_documents(src, split="train", data_dir=settings.data_dir)
         for doc in docs:
             for sentence in sentences.split_sentences(doc["text"]):
                 yield sentence
@@ -51,7 +79,9 @@ def _train_tokenizer_texts(config: Any) -> Any:
                 break
 
 
-def prepare_tokenizer(config: Any, workdir: str, extra_dirs: tuple[str | None, ...] = ()) -> Any:
+def prepare_tokenizer(
+    settings: PrepareSettings, workdir: str, extra_dirs: tuple[str | None, ...] = ()
+) -> Any:
     """The run's tokenizer, saved as WORKDIR/tokenizer.model (what `load_pretrained` reads).
 
     Order: `config.data.tokenizer` (refused when the workdir already has another one: the
@@ -62,7 +92,7 @@ def prepare_tokenizer(config: Any, workdir: str, extra_dirs: tuple[str | None, .
     from albert_jax.data.tokenizer import Tokenizer, train_tokenizer_proto
 
     target = str(files.as_path(workdir) / checkpointing.TOKENIZER_FILE)
-    given = config_field(config, "data.tokenizer")
+    given = settings.tokenizer
     if given and not files.as_path(given).is_file():
         raise ValueError(f"config.data.tokenizer={given!r} does not exist")
     if given:  # checked before it is copied: a wrong file must not become the run's tokenizer
@@ -85,16 +115,14 @@ def prepare_tokenizer(config: Any, workdir: str, extra_dirs: tuple[str | None, .
         source = source or _find_tokenizer(directory)
     if jax.process_index() == 0:
         if source is None:
-            vocab = model_config_from(config).vocab_size
-            logging.info(
-                "training a %d-piece sentencepiece model on %s", vocab, config.data.sources
-            )
+            vocab = settings.vocab_size
+            logging.info("training a %d-piece sentencepiece model on %s", vocab, settings.sources)
             start = time.perf_counter()
             proto = train_tokenizer_proto(
-                _train_tokenizer_texts(config),
+                _train_tokenizer_texts(settings),
                 vocab,
-                max_sentences=int(config_field(config, "data.tokenizer_max_sentences", 1_000_000)),
-                seed=config.seed,
+                max_sentences=settings.tokenizer_max_sentences,
+                seed=settings.seed,
             )
             files.write_atomic(target, proto)  # local or gs://
             logging.info("tokenizer trained in %.1fs: %s", time.perf_counter() - start, target)
@@ -104,16 +132,13 @@ def prepare_tokenizer(config: Any, workdir: str, extra_dirs: tuple[str | None, .
     return Tokenizer(model_proto=files.as_path(target).read_bytes())
 
 
-def build_sources(config: Any) -> None:
+def build_sources(settings: PrepareSettings) -> None:
     """Prepares our TFDS datasets once (process 0) before every process reads them: ArrayRecord
     in a local data dir, TFRecord in a `gs://` one (`builders.base.file_format_for`)."""
     from albert_jax.data import sources
 
-    # config.data.max_line_bytes / max_blank_lines bound the reading of the input files.
-    limits = line_reading.LineLimits.from_config(config_field(config, "data"), "config.data")
     if jax.process_index() == 0:
-        for src in sources.parse_sources(config.data.sources):
-            if src.is_local:
-                data_dir = config_field(config, "data.data_dir")
-                sources.build_source(src, data_dir=data_dir, limits=limits)
+        for src in sources.parse_sources(settings.sources):
+            if src.is_local:  # config.data.max_line_bytes / max_blank_lines bound the reading
+                sources.build_source(src, data_dir=settings.data_dir, limits=settings.limits)
     barrier("sources")

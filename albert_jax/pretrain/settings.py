@@ -1,8 +1,9 @@
-"""Pretraining config checks: every field known, every value sane, before anything compiles.
+"""Pretraining's config, read once: every field known, every value sane, before anything
+compiles, and returned as frozen typed sections (`PretrainingSettings`) that the run, the loop
+and the objective's halves take instead of the config.
 
-`validate_config(config)` returns the resolved model config, mesh shape and devices; a bad
-config raises a ValueError naming the field (`config.batch_size=...`), so that no run spends
-minutes compiling before it fails.
+A bad config raises a ValueError naming the field (`config.batch_size=...`), so that no run
+spends minutes compiling before it fails.
 """
 
 from __future__ import annotations
@@ -15,10 +16,15 @@ import jax
 from absl import logging
 
 from albert_jax import optim
-from albert_jax.data import line_reading
 from albert_jax.data.instances import OBJECTIVES
 from albert_jax.model.config import ModelConfig, model_config_from
-from albert_jax.run_config import check_known_fields, config_field, mesh_layout
+from albert_jax.pretrain.prepare import PrepareSettings
+from albert_jax.run_config import (
+    LoopSettings,
+    MeshSettings,
+    check_known_fields,
+    run_sections,
+)
 
 
 def reference_config() -> Any:
@@ -30,19 +36,24 @@ def reference_config() -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class RunLayout:
-    """What `validate_config` derives: the model config, the mesh to build and the data
-    pipeline's settings (`data.data_config.DataConfig`, validated for the run's processes)."""
+class PretrainingSettings:
+    """A pretraining config as `validate_config` read it: one frozen section per reader."""
 
     model_config: ModelConfig
-    mesh_shape: tuple[int, int, int]
-    devices: tuple[Any, ...]
-    data: Any
+    mesh: MeshSettings
+    loop: LoopSettings
+    optimizer: dict[str, Any]  # the checked fields of `optim.optimizer_values`
+    data: Any  # the pipeline's `data.data_config.DataConfig` (masking included), validated
+    prepare: PrepareSettings  # what `prepare` builds before the first step
+    num_train_steps: int
+    microbatches: int
+    eval_split: str  # the held-out set's split and its number of batches
+    eval_batches: int
 
 
 def validate_config(
     config: Any, devices: Sequence[Any] | None = None, processes: int | None = None
-) -> RunLayout:
+) -> PretrainingSettings:
     """Checks a pretraining config against itself and the devices (default: this job's;
     `albert_jax.plan` passes a TPU slice's and its host count); nothing is compiled.
 
@@ -51,17 +62,19 @@ def validate_config(
       max_position_embeddings, max_predictions_per_seq > seq_len, a batch that does not split
       over the data-parallel devices, processes and microbatches, a mesh that does not fit the
       devices, bad optimizer or data fields.
+
+    Returns the config's sections (`PretrainingSettings`); nothing after this reads it.
     """
     if hasattr(config, "keys") and "task" in config:
         raise ValueError("config has a `task` field: that is a fine-tuning config (finetune.py)")
     check_known_fields(config, reference_config())
     model_config = model_config_from(config)
-    objective = config_field(config, "objective")
+    objective = config.objective
     if objective not in OBJECTIVES:
         raise ValueError(f"config.objective={objective!r} must be one of {OBJECTIVES}")
 
     def positive(name: str, minimum: int = 1) -> int:
-        value = config_field(config, name)
+        value = config.get(name)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"config.{name} must be an integer >= {minimum}, got {value!r}")
         return value
@@ -91,7 +104,8 @@ def validate_config(
             f"config.batch_size={batch} is not divisible by process_count×microbatches="
             f"{processes}×{micro}: use a multiple of {processes * micro}"
         )
-    mesh_shape, devices = mesh_layout(config, model_config, devices)
+    mesh, loop = run_sections(config, model_config, devices)
+    mesh_shape = mesh.shape
     dp = mesh_shape[0] * mesh_shape[1]
     if batch % dp:
         raise ValueError(
@@ -105,13 +119,12 @@ def validate_config(
             f"split over the {dp} data-parallel devices; use fewer microbatches or a larger "
             "batch_size"
         )
-    optim.make_optimizer(config)  # optimizer fields (names the bad one)
+    optimizer = optim.optimizer_values(config)  # names the bad field
     from albert_jax.data.data_config import DataConfig
 
     data = DataConfig.from_config(config, process_count=processes)
-    # The read bounds of building the sources (prepare.build_sources).
-    line_reading.LineLimits.from_config(config_field(config, "data"), "config.data")
-    if config_field(config, "data.masked_lm_prob") == 0:  # valid for an ablation, else a slip
+    prepare = PrepareSettings.from_config(config)  # the read bounds of the input files too
+    if data.masked_lm_prob == 0:  # valid for an ablation, else a slip
         if objective == "none":
             raise ValueError(
                 "config.data.masked_lm_prob=0 with config.objective='none': no token is masked "
@@ -121,4 +134,15 @@ def validate_config(
             "config.data.masked_lm_prob=0: no token is masked, so there is no MLM term (and no "
             "mlm_* metrics); only the sentence-order task trains"
         )
-    return RunLayout(model_config, mesh_shape, devices, data)
+    return PretrainingSettings(
+        model_config=model_config,
+        mesh=mesh,
+        loop=loop,
+        optimizer=optimizer,
+        data=data,
+        prepare=prepare,
+        num_train_steps=int(config.num_train_steps),
+        microbatches=int(micro),
+        eval_split=str(config.data.eval_split),
+        eval_batches=int(config.eval_batches),
+    )

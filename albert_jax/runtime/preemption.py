@@ -10,6 +10,7 @@ for the save and returns normally.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -78,3 +79,29 @@ class PreemptionSignal:
         if self._installed:
             signal.signal(self.signum, self._previous)
             self._installed = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DebugHooks:
+    """What the tests do to a run at a step (`config.debug.*`; 0: never): a preemption notice
+    after `sigterm_after_step` (process 0 gets SIGTERM, as one host of a pod), the process
+    killed right after the save of `sigkill_after_save_at_step` starts or after the one of
+    `sigkill_after_commit_at_step` commits, NaN weights in the batch of `nan_at_step` (so that
+    the loss diverges there; pretraining's data half applies it)."""
+
+    sigterm_after_step: int = 0
+    sigkill_after_save_at_step: int = 0
+    sigkill_after_commit_at_step: int = 0
+    nan_at_step: int = 0
+
+    def after_step(self, step: int) -> None:
+        if step == self.sigterm_after_step:
+            send_preemption_notice()
+
+    def after_save(self, step: int, checkpointer: Any) -> None:
+        """`checkpointer`: the loop's `checkpointing.Checkpointer`."""
+        if step == self.sigkill_after_save_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == self.sigkill_after_commit_at_step:
+            checkpointer.wait()
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -8,14 +8,15 @@ vmapped update, and every run trains on the same batch, so the input pipeline ru
 group. What a point computes is what its solo run computes (the test: every logged metric
 within float tolerance).
 
-The group runs in ROOT/groups/<name>/ through the one loop (`train.train_and_evaluate` with
-`GroupedPretraining`), so it checkpoints, resumes and stops on SIGTERM like any run. After its
-last step each point's workdir gets what its solo run would have left (`GroupedPretraining.
-finish`): config.json, metrics.jsonl and TensorBoard events (its own `name/run_<i>` metrics
-under their plain names), the tokenizer, the learning curve, and an Orbax checkpoint of its
-slice of the state (params, optimizer state, data position) that `load_pretrained` reads and a
-solo run of that point resumes from. A run whose numbers went non-finite is dropped from the
-group's means (the loop goes on while one run is finite) and its point is reported as diverged.
+The group runs in ROOT/groups/<name>/ through the one loop (`pretrain.train.train_and_evaluate`
+with `grouped_pretraining`: the model half with a run axis, `GroupedPretrainingData`), so it
+checkpoints, resumes and stops on SIGTERM like any run. After its last step each point's
+workdir gets what its solo run would have left (`GroupedPretrainingData.finish`): config.json,
+metrics.jsonl and TensorBoard events (its own `name/run_<i>` metrics under their plain names),
+the tokenizer, the learning curve, and an Orbax checkpoint of its slice of the state (params,
+optimizer state, data position) that `load_pretrained` reads and a solo run of that point
+resumes from. A run whose numbers went non-finite is dropped from the group's means (the loop
+goes on while one run is finite) and its point is reported as diverged.
 
 Fine-tuning points, and points that differ in anything else (sharing, depth, embedding size,
 batch, seed, dropout, masking), run alone; `plan_groups` says why for each.
@@ -35,12 +36,13 @@ from absl import logging
 from jax.sharding import Mesh
 
 from albert_jax import checkpointing, files, metrics_writer, optim
+from albert_jax.finetune import seeds
 from albert_jax.finetune.settings import optimizer_config
-from albert_jax.finetune.train import EVAL_RESULTS_FILE, FineTuning, seeds
-from albert_jax.loop import Loop
+from albert_jax.finetune.train import EVAL_RESULTS_FILE, FineTuningData, fine_tuning
+from albert_jax.loop import Loop, Objective
+from albert_jax.pretrain.data_half import PretrainingData
 from albert_jax.pretrain.heldout import eval_metrics, sum_eval_batches
-from albert_jax.pretrain.settings import RunLayout
-from albert_jax.pretrain.train import Pretraining
+from albert_jax.pretrain.model_half import PretrainingModel
 from albert_jax.run_config import write_run_config
 from albert_jax.sweep.grid import flat_fields
 from albert_jax.train_state import Runs
@@ -143,33 +145,33 @@ def runs_of(
     )
 
 
-class GroupedPretraining(Pretraining):
-    """Pretraining of several points as one program (see the module docstring).
+def grouped_pretraining(
+    settings: Any, mesh: Mesh, tokenizer: Any, *, point_configs: Sequence[Any],
+    point_dirs: Sequence[str], point_settings: Sequence[Any],
+) -> Objective:  # fmt: skip
+    """Pretraining of several points as one program (see the module docstring): the group's
+    settings are the first point's, with which they share every field but the per-run ones.
+    Points whose data settings are the same train on one shared batch; otherwise each run has
+    its own data half and the batch holds their rows interleaved."""
+    shared = all(p.data == settings.data for p in point_settings)
+    runs = runs_of(point_configs, [c.seed for c in point_configs], shared)
+    model = PretrainingModel.from_settings(settings, mesh, runs=runs)
+    members = None if shared else [PretrainingData(p, tokenizer) for p in point_settings]
+    data = GroupedPretrainingData(settings, tokenizer, runs, members, point_configs, point_dirs)
+    return Objective(model, data)
 
-    Args (besides `Pretraining`'s): `point_configs`, the points' configs (the group's config is
-    the first's, with which they share every field but the per-run ones), `point_dirs`, their
-    workdirs, and `point_layouts`, their `train_config.RunLayout`s. Points whose data
-    settings are the same train on one shared batch; otherwise each run has its own input
-    pipeline (a `Pretraining` data half each) and the batch holds their rows interleaved.
-    """
 
-    def __init__(self, config: Any, workdir: str, layout: RunLayout, mesh: Mesh, tokenizer: Any,
-                 *, point_configs: Sequence[Any], point_dirs: Sequence[str],
-                 point_layouts: Sequence[RunLayout]):  # fmt: skip
-        super().__init__(config, workdir, layout, mesh, tokenizer)
+class GroupedPretrainingData(PretrainingData):
+    """The data half of a pretraining group: the shared stream (`PretrainingData`'s), or each
+    run's own (`members`) interleaved; each run scored on its held-out set."""
+
+    def __init__(self, settings: Any, tokenizer: Any, runs: Runs,
+                 members: Sequence[PretrainingData] | None, point_configs: Sequence[Any],
+                 point_dirs: Sequence[str]):  # fmt: skip
+        super().__init__(settings, tokenizer)
+        self.runs, self.members = runs, None if members is None else list(members)
         self.point_configs, self.point_dirs = list(point_configs), list(point_dirs)
-        shared = all(p.data == layout.data for p in point_layouts)
-        self.members = None if shared else [
-            Pretraining(c, workdir, p, mesh, tokenizer)
-            for c, p in zip(point_configs, point_layouts, strict=True)
-        ]  # fmt: skip
-        self.runs = runs_of(self.point_configs, [c.seed for c in self.point_configs], shared)
-        self.num_seeds = self.runs.n
-        self.global_batch *= 1 if shared else self.runs.n
-        if self.flops_per_step is not None:  # every run does a step's work
-            self.flops_per_step *= self.runs.n
-        # One held-out pass scores every run: the eval sums get a leading run axis.
-        self._eval_sums = jax.vmap(self._eval_sums, in_axes=(0, None))
+        self.global_batch *= 1 if members is None else runs.n
 
     def start(self, step: int, saved_data: Any, meta: Mapping[str, Any] | None) -> None:
         if self.members is None:
@@ -196,26 +198,20 @@ class GroupedPretraining(Pretraining):
         sets = [self] if self.members is None else self.members
         metrics: dict[str, float] = {}
         for k, part in enumerate(sets):
-            if part.placed_eval_batches is None:
-                batches = part.eval_batches
-                rows = int(self.config.batch_size)
-                part.placed_eval_batches = [put(b, rows) for b in batches]
-            sums = sum_eval_batches(eval_step, params, part.placed_eval_batches)
+            batches = part.place_eval_batches(put, self.data.batch_size)
+            sums = sum_eval_batches(eval_step, params, batches)
             runs = range(self.runs.n) if self.members is None else [k]
             for i in runs:
                 run = {**eval_metrics({n: v[i] for n, v in sums.items()}), **part.baselines}
                 metrics.update({f"{n}/{self.runs.labels[i]}": v for n, v in run.items()})
         return metrics
 
-    def finish(self, loop: Loop, result: Mapping[str, Any]) -> None:
+    def finish(self, loop: Loop) -> None:
         """Writes each point's workdir as its solo run would have left it."""
-        del result
         step = int(jax.device_get(loop.state.step))
         state = self.data_state(step)
         data = [state] * self.runs.n if self.members is None else state["runs"]
-        write_points(self, loop, data)
-        if jax.process_index() == 0:
-            metrics_writer.plot_learning_curve(self.workdir)
+        write_points(loop, self.point_configs, self.point_dirs, self.runs, data)
 
     def close(self) -> None:
         super().close()
@@ -223,18 +219,31 @@ class GroupedPretraining(Pretraining):
             member.close()
 
 
-class GroupedFineTuning(FineTuning):
+def grouped_fine_tuning(
+    config: Any, workdir: str, spec: Any, mesh: Mesh, *, point_configs: Sequence[Any],
+    point_dirs: Sequence[str],
+) -> Objective:  # fmt: skip
     """Fine-tuning of several points (one seed each, the same seed) as one program: the task's
     batches read once, each point's own optimizer values, each scored on its own."""
+    objective = fine_tuning(config, workdir, spec, mesh, data_cls=GroupedFineTuningData)
+    model, data = objective.model, objective.data
+    values = [optimizer_config(c, model.total_steps) for c in point_configs]
+    runs = runs_of(values, [c.seed for c in point_configs])
+    model.runs, model.num_seeds = runs, runs.n  # the state's leading axis; the batch is shared
+    data.runs, data.num_seeds = runs, runs.n
+    data.point_configs, data.point_dirs = list(point_configs), list(point_dirs)
+    data.run_results_ = []
+    return objective
 
-    def __init__(self, config: Any, workdir: str, spec: Any, mesh: Mesh, *,
-                 point_configs: Sequence[Any], point_dirs: Sequence[str]):  # fmt: skip
-        super().__init__(config, workdir, spec, mesh)  # one seed's data and batch
-        self.point_configs, self.point_dirs = list(point_configs), list(point_dirs)
-        values = [optimizer_config(c, self.total_steps) for c in self.point_configs]
-        self.runs = runs_of(values, [c.seed for c in self.point_configs])
-        self.num_seeds = self.runs.n  # the state's leading axis; the batch is shared
-        self.run_results_: list[dict[str, Any]] = []
+
+class GroupedFineTuningData(FineTuningData):
+    """The data half of a fine-tuning group: one seed's batches (shared by every run), each
+    run scored as its solo run (`runs`, `point_configs`, `point_dirs`: `grouped_fine_tuning`)."""
+
+    runs: Runs
+    point_configs: list[Any]
+    point_dirs: list[str]
+    run_results_: list[dict[str, Any]]
 
     def summarize_runs(self, per_run: list[dict[str, Any]], finite: list[bool]) -> dict[str, Any]:
         """Each point's results as its solo run's; logged as `eval_<metric>/run_<i>`."""
@@ -247,9 +256,10 @@ class GroupedFineTuning(FineTuning):
     def finish(self, loop: Loop, step: int) -> dict[str, Any]:
         """Each point's workdir as its solo run would have left it: eval_results.json and the
         prediction files too. Returns the group's summary."""
-        write_points(self, loop, [self.data_state(step)] * self.runs.n)
+        write_points(loop, self.point_configs, self.point_dirs, self.runs,
+                     [self.data_state(step)] * self.runs.n)  # fmt: skip
         for i, workdir in enumerate(self.point_dirs):
-            results = self.run_results(step, self.run_results_[i])
+            results = self.run_results(step, loop.model.report, self.run_results_[i])
             if jax.process_index() == 0:
                 results["prediction_files"] = self.write_run_predictions(
                     workdir, self.predictions[i]
@@ -259,23 +269,25 @@ class GroupedFineTuning(FineTuning):
                 "points": list(self.point_dirs)}  # fmt: skip
 
 
-def write_points(objective: Any, loop: Loop, data: Sequence[Any]) -> None:
-    """Each point of a grouped objective gets, in its workdir, its own metrics.jsonl and
-    TensorBoard events, config.json, the tokenizer, the learning curve, and (unless its state
-    is not finite, as a solo run would not save one) an Orbax checkpoint of its slice of the
-    state with its data position (`data[i]`) and its config in `meta`."""
+def write_points(
+    loop: Loop, point_configs: Sequence[Any], point_dirs: Sequence[str], runs: Runs,
+    data: Sequence[Any],
+) -> None:  # fmt: skip
+    """Each point of a group gets, in its workdir, its own metrics.jsonl and TensorBoard
+    events, config.json, the tokenizer, the learning curve, and (unless its state is not
+    finite, as a solo run would not save one) an Orbax checkpoint of its slice of the state
+    with its data position (`data[i]`) and its config in `meta`."""
     step = int(jax.device_get(loop.state.step))
-    records = metrics_writer.read_metrics(objective.workdir)
-    tokenizer = files.as_path(objective.workdir) / checkpointing.TOKENIZER_FILE
-    pairs = zip(objective.point_configs, objective.point_dirs, strict=True)
-    for i, (config, workdir) in enumerate(pairs):
+    records = metrics_writer.read_metrics(loop.workdir)
+    tokenizer = files.as_path(loop.workdir) / checkpointing.TOKENIZER_FILE
+    for i, (config, workdir) in enumerate(zip(point_configs, point_dirs, strict=True)):
         params = jax.tree.map(lambda x, i=i: x[i], loop.state.params)
         opt_state = jax.tree.map(lambda x, i=i: x[i], loop.state.opt_state)
         if jax.process_index() == 0:
             files.as_path(workdir).mkdir(parents=True, exist_ok=True)
             writer = metrics_writer.MetricsWriter(workdir)
             writer.rewind(0)
-            for record in (point_record(r, objective.runs.labels[i]) for r in records):
+            for record in (point_record(r, runs.labels[i]) for r in records):
                 writer.write(record.pop("step"), record)
             writer.close()
             write_run_config(config, workdir)
@@ -285,8 +297,8 @@ def write_points(objective: Any, loop: Loop, data: Sequence[Any]) -> None:
         if not np.isfinite(float(jax.jit(optax.tree.norm)(params))):
             logging.warning("point %s diverged: no checkpoint written", workdir)
             continue
-        meta = {**objective.meta(), "config": json.loads(config.to_json_best_effort())}
-        meta = checkpointing.checkpoint_meta(objective.model_config, step, **meta)
+        meta = {**loop.objective.meta(), "config": json.loads(config.to_json_best_effort())}
+        meta = checkpointing.checkpoint_meta(loop.model.model_config, step, **meta)
         with checkpointing.Checkpointer(workdir, keep=int(config.keep_checkpoints)) as ckpt:
             with jax.transfer_guard("allow"):
                 ckpt.save(step, params=params, opt_state=opt_state, data=data[i], meta=meta,

@@ -145,14 +145,16 @@ def run_group(sweep: Sweep, members: Sequence[int]) -> tuple[str, Mapping[str, A
     if "task" in configs[0]:
         from albert_jax.finetune import train as finetune
 
-        objective, run = sweep_group.GroupedFineTuning, finetune.finetune_and_evaluate
+        objective, run = sweep_group.grouped_fine_tuning, finetune.finetune_and_evaluate
     else:
         from albert_jax.pretrain import train
         from albert_jax.pretrain.settings import validate_config
 
         run = train.train_and_evaluate
-        layouts = [validate_config(c) for c in configs]
-        objective = functools.partial(sweep_group.GroupedPretraining, point_layouts=layouts)
+        point_settings = [validate_config(c) for c in configs]
+        objective = functools.partial(
+            sweep_group.grouped_pretraining, point_settings=point_settings
+        )
 
     def make_objective(*args: Any) -> Any:
         return objective(*args, point_configs=configs, point_dirs=dirs)
@@ -334,7 +336,7 @@ def share_tokenizers(configs: Sequence[Any], root: str) -> None:
 def train_shared_tokenizers(sweep: Sweep) -> None:
     """Trains each shared tokenizer (`share_tokenizers`) the sweep does not have yet, as its
     first point's run would have (the sources built first)."""
-    from albert_jax.pretrain.prepare import build_sources, prepare_tokenizer
+    from albert_jax.pretrain.prepare import PrepareSettings, build_sources, prepare_tokenizer
 
     shared = str(files.as_path(sweep.root) / TOKENIZERS_DIR)
     done: set[str] = set()
@@ -344,8 +346,9 @@ def train_shared_tokenizers(sweep: Sweep) -> None:
             continue
         own = config.copy_and_resolve_references()
         own.data.tokenizer = None
-        build_sources(own)
-        prepare_tokenizer(own, str(files.as_path(path).parent))
+        prepare = PrepareSettings.from_config(own)
+        build_sources(prepare)
+        prepare_tokenizer(prepare, str(files.as_path(path).parent))
         done.add(path)
 
 

@@ -1,6 +1,7 @@
 """The data of one fine-tuning run: its examples read and featurized, the packing decision, the
 training batch of every step and the evaluation batches — fine-tuning's counterpart of
-pretraining's data pipeline, what `finetune.FineTuning` (the objective) trains and scores on.
+pretraining's data pipeline, what fine-tuning's data half (`finetune.train.FineTuningData`)
+trains and scores on.
 
 Batch s is a pure function of (training features, seed, s, packing decision): `batch(s)`
 rebuilds it from nothing, so a resumed run sees exactly the batches of an uninterrupted one,
