@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from albert_jax.data import batches, instances, reference_masking, sentences  # noqa: E402
 from albert_jax.data.corpus import iter_jsonl_documents, tokenize_documents  # noqa: E402
+from albert_jax.data.masking import MaskingSettings  # noqa: E402
 from albert_jax.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 
 SHARED = os.path.join(
@@ -115,7 +116,7 @@ def measure(corpus, tokenizer, seq_len: int, preds: int, B: int, seconds: float)
             table[lo : lo + B],
             rng,
             seq_len=seq_len,
-            max_predictions_per_seq=preds,
+            masking_settings=MaskingSettings(max_predictions=preds),
             word_start=tokenizer.word_start,
         )
 

@@ -40,6 +40,7 @@ from albert_jax.data.instances import (
     SWAPPED,
     create_instances,
 )
+from albert_jax.data.masking import MaskingSettings
 from albert_jax.data.tokenizer import Tokenizer
 from albert_jax.pretrain import train
 from albert_jax.pretrain.heldout import eval_metrics
@@ -140,7 +141,7 @@ def test_batches_carry_the_kind(austen, corpus):
     rows = table[:64]
     batch = batches.build_batch(
         [tokenized], np.zeros(len(rows), np.int32), rows, np.random.default_rng(0), seq_len=48,
-        max_predictions_per_seq=7, word_start=tokenizer.word_start,
+        masking_settings=MaskingSettings(max_predictions=7), word_start=tokenizer.word_start,
     )  # fmt: skip
     assert batch["pair_kind"].dtype == np.int32
     np.testing.assert_array_equal(batch["pair_kind"], rows[:, KIND])

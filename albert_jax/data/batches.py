@@ -58,10 +58,8 @@ def build_batch(
     rng: np.random.Generator,
     *,
     seq_len: int,
-    max_predictions_per_seq: int,
+    masking_settings: masking.MaskingSettings,
     word_start: np.ndarray,
-    masked_lm_prob: float = 0.15,
-    ngram: int = 3,
     cls_id: int = 2,
     sep_id: int = 3,
     mask_id: int = 4,
@@ -82,11 +80,11 @@ def build_batch(
         lengths,
         word_start,
         rng,
-        max_predictions=max_predictions_per_seq,
-        masked_lm_prob=masked_lm_prob,
+        max_predictions=masking_settings.max_predictions,
+        masked_lm_prob=masking_settings.masked_lm_prob,
         mask_id=mask_id,
         special_ids=(cls_id, sep_id),
-        ngram=ngram,
+        ngram=masking_settings.ngram,
     )
     input_mask = (np.arange(seq_len)[None, :] < lengths[:, None]).astype(np.int32)
     return {

@@ -11,6 +11,7 @@ from typing import Any
 
 from albert_jax import files
 from albert_jax.data.instances import OBJECTIVES, SINGLE_SEGMENT_MODES
+from albert_jax.data.masking import MaskingSettings
 
 # Not part of a shard's fingerprint: where files live, how many workers build batches, and
 # `num_shards` (the shard index and count are fingerprinted on their own).
@@ -64,6 +65,11 @@ class DataConfig:
         cfg = cls(**values)
         cfg.validate(process_count)
         return cfg
+
+    @property
+    def masking(self) -> MaskingSettings:
+        """The masking fields, as `batches.build_batch` takes them."""
+        return MaskingSettings(self.max_predictions_per_seq, self.masked_lm_prob, self.ngram)
 
     def semantic(self) -> dict[str, Any]:
         """The fields that determine the batches (not where files live, how many workers build

@@ -28,6 +28,17 @@ from dataclasses import dataclass
 import numpy as np
 
 
+@dataclass(frozen=True)
+class MaskingSettings:
+    """What a run's masking is given, as one value (`DataConfig.masking`): at most
+    `max_predictions` masked tokens a sequence, `masked_lm_prob` of its tokens, whole-word
+    n-grams up to `ngram`."""
+
+    max_predictions: int = 20
+    masked_lm_prob: float = 0.15
+    ngram: int = 3
+
+
 def ngram_probabilities(ngram: int = 3, favor_shorter: bool = True) -> np.ndarray:
     """p(n) for n = 1..ngram: ∝ 1/n (reversed when favor_shorter=False, as the reference)."""
     p = 1.0 / np.arange(1, ngram + 1)

@@ -91,10 +91,8 @@ class BatchBuilder:
             rows,
             rng,
             seq_len=self.cfg.seq_len,
-            max_predictions_per_seq=self.cfg.max_predictions_per_seq,
+            masking_settings=self.cfg.masking,
             word_start=self.word_start,
-            masked_lm_prob=self.cfg.masked_lm_prob,
-            ngram=self.cfg.ngram,
             **self.ids,
         )
 
