@@ -386,7 +386,7 @@ def _validate(points: Sequence[Point], configs: Sequence[Any]) -> None:
             raise ValueError(f"point {point.name}: {cli.one_line(e)}") from e
 
 
-def _define_flags() -> None:
+def define_flags() -> None:
     flags.DEFINE_string(
         "config", None, "Base config file and arg, e.g. configs/pretrain.py:size=tiny."
     )
@@ -441,9 +441,5 @@ def main(argv: list[str]) -> None:
 
 
 def run() -> None:
-    _define_flags()
+    """The command line: `python -m albert_jax.sweep` (`sweep/__main__.py`)."""
     cli.run(main, flags_parser=parse_flags)
-
-
-if __name__ == "__main__":
-    run()
