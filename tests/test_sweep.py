@@ -234,7 +234,7 @@ def _sweep_cli(root, argv, timeout=600):
     args = [
         sys.executable,
         "-m",
-        "albert_jax.sweep.runner",
+        "albert_jax.sweep",
         f"--config={TINY}",
         f"--root={root}",
         *argv,
