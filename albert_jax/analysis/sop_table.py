@@ -16,7 +16,7 @@ batches (the data config and the tokenizer): the rows then see the same held-out
 SOP / NSP head's 2-way output is read as the task's label (0 in order / next, 1 swapped /
 random); the MLM-only run's head was never trained and is measured all the same (the paper's
 "None" row: about chance). Each cell also splits the accuracy by label and by kind of pair
-(`pretraining_eval.eval_metrics`: `eval_sop_accuracy_<split>`). Single process; the model runs
+(`pretrain.heldout.eval_metrics`: `eval_sop_accuracy_<split>`). Single process; the model runs
 unsharded on the default device (tiny and base models).
 
 Writes DIR/sop_table.json (every metric of every cell, the runs' steps and workdirs) and

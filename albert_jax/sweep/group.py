@@ -49,7 +49,8 @@ from albert_jax.train_state import Runs
 
 RUN_LABEL = "run_{}"
 # What may differ between the points of one program: the optimizer's per-run fields, and
-# fine-tuning's warmup_fraction (which only sets warmup_steps: `finetune_config.optimizer_config`).
+# fine-tuning's warmup_fraction (which only sets warmup_steps:
+# `finetune.settings.optimizer_config`).
 PER_RUN = (*optim.PER_RUN_FIELDS, "warmup_fraction")
 # Pretraining's fields that change a run's batches but not their shapes: points that differ in
 # them group too, each run with its own input pipeline (its batches interleaved).
