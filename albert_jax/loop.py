@@ -184,7 +184,7 @@ class Loop:
     ):
         self.objective, self.settings, self.workdir, self.mesh = objective, settings, workdir, mesh
         self.model, self.data = objective.model, objective.data
-        self.lease, self.debug = lease, settings.debug
+        self.lease = lease
         self.total = objective.data.total_steps
         self.peak, self.chips = peak or (None, 0)
         # Everything the run opens is closed in reverse order by `close()`, or right here
@@ -349,7 +349,7 @@ class Loop:
                     self._finish(pending)
                 self.checkpointer.check_for_errors()  # a failed background save stops the run
                 pending = _Pending(step, metrics)
-                self.debug.after_step(step)
+                self.settings.debug.after_step(step)
                 preempted = signal_flag is not None and signal_flag.requested
                 save = preempted or step == total or self.checkpointer.should_save(step)
                 if save or self._eval_due(step):
@@ -369,7 +369,7 @@ class Loop:
                     pending = None
                     if save:
                         self._save(step, force=force)
-                        self.debug.after_save(step, self.checkpointer)
+                        self.settings.debug.after_save(step, self.checkpointer)
                 if not single_process and self.checkpointer.reached_preemption(step):
                     preempted = True
                 if preempted:

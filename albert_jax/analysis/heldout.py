@@ -2,11 +2,11 @@
 pretraining batches it is measured on, and the device mesh that runs them.
 
 The batches are those of the checkpoint's own run by default: a training step dir's `meta`
-holds the run config (`train.Pretraining.meta`), so `--init=WORKDIR` evaluates on exactly the
-held-out set that run's `eval_*` metrics came from (`pipeline.make_eval_iterator`, same
-sources, seed, sequence length and batch size). A checkpoint without one (a model dir, an HF
-or TF1 dir) needs `--config=configs/pretrain.py:...`. `--data`, `--data_dir` and `--batch_size`
-change the data of either.
+holds the run config (the loop saves it with every checkpoint), so `--init=WORKDIR` evaluates
+on exactly the held-out set that run's `eval_*` metrics came from
+(`pipeline.make_eval_iterator`, same sources, seed, sequence length and batch size). A
+checkpoint without one (a model dir, an HF or TF1 dir) needs `--config=configs/pretrain.py:...`.
+`--data`, `--data_dir` and `--batch_size` change the data of either.
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ def fine_tuning(
     rows = mesh.shape["data"] * mesh.shape["fsdp"]  # the batches split over the mesh
     task_data = TaskData(config, kind, tokenizer, run_seeds, rows, jax.process_count())
     model = TaskModel(
-        config, kind, build_model(spec, task_config, config), task_data.init_batch,
+        config, kind, kind.build_model(task_config, spec, config), task_data.init_batch,
         task_data.total_steps, len(run_seeds), mesh, num_labels=spec.num_labels,
         checkpoint=checkpoint, dont_load=dont_load_patterns(config.get("init_dont_load", "")),
     )  # fmt: skip
@@ -155,7 +155,7 @@ class FineTuningData:
     def __init__(self, config: Any, workdir: str, spec: TaskSpec, task_data: TaskData,
                  tokenizer: Any):  # fmt: skip
         self.config, self.workdir, self.spec = config, workdir, spec
-        self.kind, self.task_data, self.tokenizer = get_kind(spec.kind), task_data, tokenizer
+        self.kind, self.task_data, self.tokenizer = task_data.kind, task_data, tokenizer
         self.seeds = task_data.seeds
         self.num_seeds = len(self.seeds)
         self.global_batch = int(config.batch_size) * self.num_seeds

@@ -93,7 +93,7 @@ def evaluate_batches(
     batches: Iterable[Mapping[str, Any]],
 ) -> dict[str, float]:
     """`eval_metrics` of the sums of `eval_step` (a `make_eval_step`, jitted; or the loop's
-    `Loop.eval_step`) over `batches`: what the training loop logs (`Pretraining.evaluate`) and
+    `Loop.eval_step`) over `batches`: what the training loop logs (`PretrainingData.evaluate`) and
     the analysis CLIs report."""
     return eval_metrics(sum_eval_batches(eval_step, params, batches))
 
